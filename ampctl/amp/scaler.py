@@ -167,9 +167,13 @@ class LossScaler:
             "history": torch.zeros(0, 3, dtype=torch.float64),
         }
         self._num_updates = 0
+        self._last_read: bool | None = None
         self._t: dict[str, torch.Tensor] | None = None  # device state
         self._loss_nonfinite: torch.Tensor | None = None  # this step, OR over scale() calls
         self._per_opt: dict[int, dict[str, Any]] = defaultdict(_fresh_opt_state)
+        # What step() read on the host for the last step: True/False (skipped or not), or None
+        # when no read was made (fused optimizer). Free to use: the read already happened.
+        self.last_skip_read: bool | None = None
         # Distributed hook: given this step's flags (float32 [grad overflow, forward overflow] on
         # the device), return the flags all ranks agree on (an all-reduce MAX). It runs inside
         # step(), before the one host read, so every rank skips the same steps and keeps the
@@ -334,6 +338,7 @@ class LossScaler:
             else:
                 optimizer.grad_scale = None  # type: ignore[attr-defined]
             st["flags"] = self._flags(st["found_inf_per_device"])
+            self.last_skip_read = None
             optimizer.found_inf = st["flags"].amax()  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
@@ -346,7 +351,9 @@ class LossScaler:
             self.unscale_(optimizer)
         st["flags"] = self._flags(st["found_inf_per_device"])
         retval = None
-        if not st["flags"].amax().item():  # the one host read of the step
+        skip = bool(st["flags"].amax().item())  # the one host read of the step
+        self.last_skip_read = skip if self.last_skip_read is None else (self.last_skip_read or skip)
+        if not skip:
             retval = optimizer.step(*args, **kwargs)
         st["stage"] = OptState.STEPPED
         return retval
@@ -359,6 +366,8 @@ class LossScaler:
         if not self._check_finite:
             return
         t = self._require_init("update")
+        self._last_read = self.last_skip_read
+        self.last_skip_read = None
         stepped = [s["flags"] for s in self._per_opt.values() if "flags" in s]
         if not stepped and new_scale is None:
             raise RuntimeError(
@@ -455,6 +464,29 @@ class LossScaler:
     @property
     def hysteresis(self) -> int:
         return self._hysteresis
+
+    @property
+    def last_step_skipped_host(self) -> bool | None:
+        """Whether the last step was skipped, as ``step()`` read it (no new read); None when
+        ``step()`` made no read (fused optimizer) -- then use ``last_step_skipped`` (syncs)."""
+        return self._last_read
+
+    def device_counters(self) -> dict[str, torch.Tensor]:
+        """The device tensors behind the counters (scale, skipped_total, forward_overflows,
+        consecutive_overflows, last_skipped). No host read; do not modify them."""
+        t = self._require_init("device_counters")
+        return {k: t[k] for k in ("scale", "skipped_total", "forward_overflows", "consecutive_overflows", "last_skipped")}
+
+    def recent_skips(self, window: int) -> torch.Tensor:
+        """Number of skipped steps among the last ``window`` recorded ones (device tensor, no
+        host read); at most ``history_size`` steps are remembered."""
+        t = self._require_init("recent_skips")
+        n = min(window, self._num_updates, self._history_size)
+        if n == 0:
+            return torch.zeros((), dtype=torch.float64, device=t["scale"].device)
+        dev = t["history"].device
+        idx = torch.arange(self._num_updates - n, self._num_updates, device=dev) % self._history_size
+        return t["history"][idx, 2].sum()
 
     # ------------------------------------------------------------------ observed skips
     def _read(self, key: str) -> int:

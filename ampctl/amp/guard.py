@@ -1,0 +1,170 @@
+"""OverflowGuard: what to do when skipping and halving is not enough.
+
+GradScaler, DeepSpeed, Megatron and fairseq only halve the scale and skip; when that does not
+help they die ("Minimum loss scale reached") or train on a collapsed scale. The guard looks at
+the overflow history after each step and decides, by the numbered rules of :func:`decide`:
+
+    continue | rollback (restore the last good state, lower the scale) |
+    fallback (next precision of the chain, after restoring) | abort | warn
+
+The rules are a pure function of plain numbers (tested without a model); the training loop
+carries the decisions out. Nothing here imports anything but the standard library.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Action", "Observation", "Decision", "GuardRules", "decide", "next_precision", "OverflowGuard"]
+
+
+class Action(str, enum.Enum):
+    CONTINUE = "continue"
+    ROLLBACK = "rollback"
+    FALLBACK = "fallback"
+    ABORT = "abort"
+    WARN = "warn"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """What the loop knows on the host after a step (no device reads beyond the step's one)."""
+
+    step: int
+    skipped: bool
+    consecutive: int  # skipped steps in a row, this one included
+    window_skips: int  # skipped steps among the last `window_len` steps
+    window_len: int
+    at_floor: bool  # the scale is at min_scale (and scaling is on)
+    forward_overflow: bool = False
+    rollbacks: int = 0  # rollbacks already made at the current precision
+    precision: str = "fp16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    action: Action
+    reason: str = ""
+    precision: str | None = None  # target precision for FALLBACK
+
+
+@dataclass(kw_only=True)
+class GuardRules:
+    rollback_after: int = 3
+    max_rollbacks: int = 5
+    skip_budget: float = 0.5
+    skip_window: int = 50
+    skip_action: str = "rollback"
+    floor_policy: str = "fallback"
+    fallback_chain: list[str] = field(default_factory=lambda: ["fp16", "bf16", "fp32"])
+    bf16_ok: bool = True
+
+
+def next_precision(current: str, chain: list[str], bf16_ok: bool = True) -> str | None:
+    """The precision after ``current`` in ``chain`` (bf16 skipped where unsupported)."""
+    start = chain.index(current) + 1 if current in chain else 0
+    for p in chain[start:]:
+        if p == current or (p == "bf16" and not bf16_ok):
+            continue
+        return p
+    return None
+
+
+def _fallback_or_abort(obs: Observation, rules: GuardRules, why: str) -> Decision:
+    target = next_precision(obs.precision, rules.fallback_chain, rules.bf16_ok)
+    if target is None:
+        return Decision(
+            action=Action.ABORT,
+            reason=f"{why}, and no precision is left after {obs.precision} in the fallback chain "
+            f"{rules.fallback_chain}",
+        )
+    return Decision(action=Action.FALLBACK, reason=f"{why}: falling back {obs.precision} -> {target}", precision=target)
+
+
+def _act(action: str, obs: Observation, rules: GuardRules, why: str) -> Decision:
+    if action == "fallback":
+        return _fallback_or_abort(obs, rules, why)
+    if action == "abort":
+        return Decision(action=Action.ABORT, reason=why)
+    if action == "warn":
+        return Decision(action=Action.WARN, reason=why)
+    if obs.rollbacks >= rules.max_rollbacks:
+        return _fallback_or_abort(obs, rules, f"{why}, after {obs.rollbacks} rollbacks at {obs.precision}")
+    return Decision(action=Action.ROLLBACK, reason=why)
+
+
+def decide(obs: Observation, rules: GuardRules) -> Decision:
+    """The guard's rules, in order."""
+    # 1) a clean step needs nothing.
+    if not obs.skipped:
+        return Decision(action=Action.CONTINUE)
+    # 2) the scale sits at its floor and gradients still overflow: halving cannot help any more.
+    if obs.at_floor and not obs.forward_overflow and obs.consecutive >= 2:
+        why = f"loss scale at its minimum and still overflowing ({obs.consecutive} in a row)"
+        return _act(rules.floor_policy, obs, rules, why)
+    # 3) N consecutive overflows: restore the last good state and lower the scale.
+    if rules.rollback_after > 0 and obs.consecutive >= rules.rollback_after:
+        return _act("rollback", obs, rules, f"{obs.consecutive} consecutive overflows")
+    # 4) skip budget: too many of the recent steps were wasted.
+    if obs.window_len >= rules.skip_window and obs.window_skips > rules.skip_budget * obs.window_len:
+        why = f"{obs.window_skips} of the last {obs.window_len} steps skipped (budget {rules.skip_budget:.0%})"
+        return _act(rules.skip_action, obs, rules, why)
+    # 5) an isolated overflow: the scaler's skip-and-back-off handles it.
+    return Decision(action=Action.CONTINUE)
+
+
+class OverflowGuard:
+    """Keeps the host-side overflow history and applies :func:`decide` after each step."""
+
+    def __init__(self, rules: GuardRules) -> None:
+        self.rules = rules
+        self.window: deque[bool] = deque(maxlen=rules.skip_window)
+        self.consecutive = 0
+        self.rollbacks = 0  # at the current precision
+        self.counts: dict[str, int] = {}
+
+    def observe(self, *, step: int, skipped: bool, forward_overflow: bool, at_floor: bool, precision: str) -> Decision:
+        self.window.append(bool(skipped))
+        self.consecutive = self.consecutive + 1 if skipped else 0
+        obs = Observation(
+            step=step,
+            skipped=skipped,
+            consecutive=self.consecutive,
+            window_skips=sum(self.window),
+            window_len=len(self.window),
+            at_floor=at_floor,
+            forward_overflow=forward_overflow,
+            rollbacks=self.rollbacks,
+            precision=precision,
+        )
+        return decide(obs, self.rules)
+
+    def count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def after_rollback(self) -> None:
+        self.rollbacks += 1
+        self.consecutive = 0
+        self.window.clear()
+
+    def after_fallback(self) -> None:
+        self.rollbacks = 0
+        self.consecutive = 0
+        self.window.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window": [int(x) for x in self.window],
+            "consecutive": self.consecutive,
+            "rollbacks": self.rollbacks,
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.window = deque((bool(x) for x in sd.get("window", [])), maxlen=self.rules.skip_window)
+        self.consecutive = int(sd.get("consecutive", 0))
+        self.rollbacks = int(sd.get("rollbacks", 0))
+        self.counts = {str(k): int(v) for k, v in sd.get("counts", {}).items()}
