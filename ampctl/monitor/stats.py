@@ -1,0 +1,50 @@
+"""Gradient health statistics, computed on the device.
+
+``grad_stats`` returns 0-dim device tensors; nothing is read on the host here. The loop stacks
+them with its other figures and reads everything in one transfer at the log interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ampctl.amp.overflow import group_by_device_and_dtype
+from ampctl.amp.precision import FP16_SUBNORMAL
+
+__all__ = ["grad_stats", "STAT_KEYS"]
+
+STAT_KEYS = ("grad_norm", "grad_amax", "grad_underflow", "grad_elems", "nonfinite_grads")
+
+
+def grad_stats(grads: Iterable[torch.Tensor], scale: torch.Tensor | float, device: torch.device) -> dict[str, torch.Tensor]:
+    """Global L2 norm, max |g|, underflow count, element count and non-finite count.
+
+    ``grads`` are *unscaled* gradients. An element counts as underflowed when it is zero or when,
+    multiplied back by ``scale``, it is below fp16's smallest subnormal (2**-24): the fp16
+    backward could not represent it. Non-finite elements are excluded from norm and max.
+    No host read.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    norm_sq, amax, under, elems, bad = zero.clone(), zero.clone(), zero.clone(), zero.clone(), zero.clone()
+    scale_t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
+    for dev, per_dtype in group_by_device_and_dtype([g for g in grads if g is not None]).items():
+        s = scale_t.to(dev, torch.float32)
+        threshold = FP16_SUBNORMAL / s
+        for group in per_dtype.values():
+            flat = torch.cat([g.detach().reshape(-1) for g in group]).float()
+            finite = torch.isfinite(flat)
+            clean = torch.where(finite, flat, torch.zeros((), device=dev)).abs()
+            norm_sq += clean.pow(2).sum().to(device)
+            amax = torch.maximum(amax, clean.max().to(device))
+            under += ((clean < threshold) & finite).sum().float().to(device)
+            bad += (~finite).sum().float().to(device)
+            elems += float(flat.numel())
+    return {
+        "grad_norm": norm_sq.sqrt(),
+        "grad_amax": amax,
+        "grad_underflow": under,
+        "grad_elems": elems,
+        "nonfinite_grads": bad,
+    }

@@ -1,0 +1,84 @@
+"""What each command does, one screen each: load config -> build -> run -> close.
+
+The CLI calls these; they raise the input errors that the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from ampctl.config import ConfigError, config_from_dict, load_config, split_overrides, to_yaml
+
+__all__ = ["run_train", "resume_config"]
+
+
+def resume_config(ckpt: dict, overrides: list[str]):
+    """The checkpoint's config with plain ``key=value`` overrides applied on top."""
+    from omegaconf import OmegaConf
+
+    from ampctl.config import _compose_free_overrides
+
+    base = OmegaConf.create(ckpt["config"])
+    return config_from_dict(_compose_free_overrides(base, overrides))
+
+
+def run_train(
+    *,
+    overrides: list[str],
+    config_dir: Path | None = None,
+    name: str | None = None,
+    resume: Path | None = None,
+    print_config: bool = False,
+    mode: str = "auto",
+    console: Console | None = None,
+) -> int:
+    from ampctl.monitor.display import Display
+    from ampctl.train.checkpoint import load_checkpoint
+    from ampctl.train.loop import Trainer
+    from ampctl.train.run import new_run_dir
+
+    console = console or Console()
+    ck = None
+    if resume is not None:
+        ck = load_checkpoint(resume)
+        preset, rest = split_overrides(overrides)
+        if preset != "config":
+            raise ConfigError("conf= cannot be combined with --resume: the run keeps the config it was started with")
+        cfg = resume_config(ck, rest)
+    else:
+        cfg = load_config(overrides, config_dir)
+        preset, _ = split_overrides(overrides)
+    if print_config:
+        console.print(to_yaml(cfg), end="", markup=False, highlight=False)
+        return 0
+    if ck is not None:
+        run_dir = Path(ck["path"]).resolve().parent.parent
+        if name is not None:
+            raise ConfigError("--name cannot be combined with --resume: the run continues in its own folder")
+    else:
+        run_dir = new_run_dir(cfg.trainer.runs_dir, name or cfg.name, preset)
+    display = Display(cfg.trainer.max_steps, mode=mode, console=console, title=f"ampctl train - {run_dir.name}")
+    try:
+        trainer = Trainer(cfg, run_dir, display=display, resume=ck)
+    except BaseException:
+        if ck is None and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # nothing was written: leave no empty run behind
+        raise
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    with display:
+        result = trainer.run()
+    summary = dict(result.summary)
+    if result.status != "ok":
+        summary["resume_hint"] = f"ampctl train --resume {run_dir}"
+    display.summary(summary)
+    if result.status == "aborted":
+        console.print(
+            "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
+            "`ampctl diagnose " + str(run_dir) + "`, precision=bf16, a lower optim.lr, or scaler.init_scale lower.",
+            highlight=False,
+        )
+    elif result.status == "interrupted":
+        console.print(f"Interrupted. Resume with: ampctl train --resume {run_dir}", highlight=False, markup=False)
+    return result.exit_code

@@ -1,0 +1,110 @@
+"""Build the parts of a run from a validated :class:`~ampctl.config.RunConfig`."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampctl.config import ConfigError, OptimConfig, RunConfig
+from ampctl.train.data import DataError, MLMSource, build_data
+
+__all__ = ["BuildError", "resolve_device", "build_model", "build_data_source", "build_optimizer", "extract_loss"]
+
+
+class BuildError(ValueError):
+    """The config names something that cannot be built (bad _target_, bad data path...)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BuildError(f"trainer.device={name}: CUDA is not available on this machine; use trainer.device=cpu or auto")
+    return dev
+
+
+def _import_target(path: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise BuildError(f"model._target_={path!r}: give a dotted import path, e.g. my_pkg.models.MyModel")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise BuildError(f"model._target_={path!r}: cannot import module {module_name!r} ({e})") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise BuildError(f"model._target_={path!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def build_model(cfg: RunConfig) -> nn.Module:
+    """Instantiate ``model._target_`` with the other ``model.*`` keys as keyword arguments."""
+    spec = dict(cfg.model)
+    target = _import_target(spec.pop("_target_"))
+    if not callable(target):
+        raise BuildError(f"model._target_={cfg.model['_target_']!r} is not callable")
+    try:
+        model = target(**spec)
+    except (TypeError, ValueError) as e:
+        raise BuildError(f"model: building {cfg.model['_target_']} failed: {str(e).splitlines()[0]}") from None
+    if not isinstance(model, nn.Module):
+        raise BuildError(f"model._target_={cfg.model['_target_']!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLMSource:
+    d = cfg.data
+    kw: dict[str, Any] = dict(seq_len=d.seq_len, batch_size=d.batch_size, seed=cfg.trainer.seed, mask_prob=d.mask_prob, rank=rank, world_size=world_size)
+    if d.kind == "synthetic":
+        kw.update(vocab_size=d.vocab_size, branching=d.branching)
+    else:
+        kw.update(path=d.path)
+    try:
+        return build_data(d.kind, **kw)
+    except DataError as e:
+        raise BuildError(str(e).splitlines()[0]) from None
+    except ValueError as e:
+        raise BuildError(f"data: {str(e).splitlines()[0]}") from None
+
+
+def build_optimizer(o: OptimConfig, params: list[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """AdamW / Adam / SGD over ``params``. With ``fused`` the lr is a device tensor, so the
+    schedule can be applied on the device (no host read)."""
+    lr: float | torch.Tensor = torch.tensor(o.lr, device=device) if o.fused else o.lr
+    if o.name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+        kw: dict[str, Any] = dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        if o.fused:
+            kw["fused"] = True
+        return cls(params, **kw)
+    if o.fused:
+        raise ConfigError("optim.fused=true is only available with optim.name=adamw or adam")
+    return torch.optim.SGD(params, lr=lr, momentum=o.betas[0], weight_decay=o.weight_decay)
+
+
+def extract_loss(out: Any) -> torch.Tensor:
+    """The loss from a model output: a tensor, ``.loss`` or ``["loss"]`` (Hugging Face style)."""
+    loss = out
+    if not isinstance(loss, torch.Tensor):
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, dict):
+            loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise BuildError(
+            f"the model returned {type(out).__name__} with no scalar loss: model(**batch) must return a loss "
+            "tensor, an object with .loss, or a dict with 'loss' (pass labels= through to the loss)"
+        )
+    return loss.reshape(())
+
+
+def accepts_batch_keys(model: nn.Module, keys: list[str]) -> list[str]:
+    """Batch keys the model's forward does not accept (empty when it takes **kwargs)."""
+    sig = inspect.signature(model.forward)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return []
+    return [k for k in keys if k not in sig.parameters]
