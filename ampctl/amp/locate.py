@@ -12,6 +12,7 @@ on purpose); NaN and ``+inf`` are always faults.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def trace_modules(
             fwd_raw.append((names[mod], *s))
 
     def bhook(mod, grad_input, _grad_output):
-        s = summarize([g for g in grad_input if g is not None])
+        s = summarize([g for g in grad_input if g is not None and g.is_floating_point()])
         if s is not None:
             bwd_raw.append((names[mod], *s))
 
@@ -100,9 +101,12 @@ def trace_modules(
     if backward:
         handles += [m.register_full_backward_hook(bhook) for m in names if m is not model]
     try:
-        loss = run()
-        if backward and loss is not None and loss.requires_grad:
-            loss.backward()
+        with warnings.catch_warnings():
+            # modules whose inputs need no grad (embeddings) fire on outputs instead; that is fine
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss = run()
+            if backward and loss is not None and loss.requires_grad:
+                loss.backward()
     finally:
         for h in handles:
             h.remove()

@@ -203,6 +203,11 @@ class LossScaler:
                 self._t["history"][(self._num_updates - n + k) % self._history_size] = old[k]
         return self._t
 
+    def init_state(self, device: torch.device | str) -> None:
+        """Create the device state now (otherwise the first ``scale()`` does, on the loss's
+        device). No host read."""
+        self._lazy_init(torch.device(device))
+
     @property
     def device(self) -> torch.device | None:
         """Device of the scaler's state (None before the first ``scale()``)."""

@@ -81,7 +81,7 @@ class _Snapshot:
     applied: int
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
-    scaler: dict[str, Any]
+    scale: torch.Tensor  # device copy: taking a snapshot reads nothing on the host
     data: dict[str, int]
     rng: dict[str, Any]
     master: list[torch.Tensor] | None
@@ -173,6 +173,7 @@ class Trainer:
         self.named_params = self.policy.named_optimizer_params(self.model)
         self.optimizer = build_optimizer(self.cfg.optim, self.params, self.device)
         self.scaler = build_scaler(self.cfg, self.policy)
+        self.scaler.init_state(self.device)
         self._fused = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     @property
@@ -237,7 +238,7 @@ class Trainer:
             applied=self.applied,
             model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
             optimizer=copy.deepcopy(self.optimizer.state_dict()),
-            scaler=self.scaler.state_dict(),
+            scale=self.scaler.get_scale_tensor().clone(),
             data=self.data.state_dict(),
             rng=rng_state(),
             master=[m.detach().clone() for m in self.params] if self.policy.master is not None else None,
@@ -395,7 +396,7 @@ class Trainer:
         snap = self.snapshot
         if decision.action is Action.ROLLBACK:
             self._restore(snap)  # the scaler keeps its counters: the skips happened
-            new_scale = max(min(old_scale, snap.scaler["scale"]) * self.cfg.guard.rollback_backoff, self.scaler.min_scale)
+            new_scale = max(min(old_scale, float(snap.scale.item())) * self.cfg.guard.rollback_backoff, self.scaler.min_scale)
             self.scaler.update(new_scale=new_scale)
             self.guard.after_rollback()
             self.emit("rollback", f"{decision.reason}: restored step {snap.step}, scale {old_scale:g} -> {new_scale:g}", to_step=snap.step)
@@ -406,7 +407,7 @@ class Trainer:
         counters = self.scaler.state_dict()
         self._switch_precision(decision.precision)
         if self.scaler.is_enabled():
-            counters["scale"] = snap.scaler["scale"]
+            counters["scale"] = float(snap.scale.item())
         self.scaler.load_state_dict(counters)
         self.guard.after_fallback()
         self.snapshot = None

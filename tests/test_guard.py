@@ -1,0 +1,170 @@
+"""OverflowGuard: pure rules, and planted faults through the real loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ampctl.amp.guard import Action, GuardRules, Observation, decide, next_precision
+from ampctl.amp.locate import first_bad, trace_modules
+from ampctl.hostreads import count_host_reads
+from ampctl.train.loop import Trainer, train
+from ampctl.train.models import BertForMaskedLM
+from ampctl.train.run import new_run_dir
+from tests.conftest import read_jsonl
+
+
+def obs(**kw):
+    base = dict(step=10, skipped=True, consecutive=1, window_skips=1, window_len=10, at_floor=False)
+    base.update(kw)
+    return Observation(**base)
+
+
+RULES = GuardRules(rollback_after=3, max_rollbacks=2, skip_budget=0.5, skip_window=10)
+
+
+@pytest.mark.parametrize(
+    "o, action",
+    [
+        (obs(skipped=False, consecutive=0), Action.CONTINUE),
+        (obs(consecutive=1), Action.CONTINUE),  # an isolated overflow: the scaler handles it
+        (obs(consecutive=3), Action.ROLLBACK),
+        (obs(consecutive=3, rollbacks=2), Action.FALLBACK),  # rollbacks used up
+        (obs(consecutive=3, rollbacks=2, precision="fp32"), Action.ABORT),  # nothing left
+        (obs(consecutive=2, at_floor=True), Action.FALLBACK),  # floor policy default
+        (obs(consecutive=2, at_floor=True, forward_overflow=True), Action.CONTINUE),
+        (obs(consecutive=1, window_skips=6), Action.ROLLBACK),  # skip budget
+        (obs(consecutive=1, window_skips=5), Action.CONTINUE),  # exactly at budget
+        (obs(consecutive=1, window_skips=6, window_len=9), Action.CONTINUE),  # window not full
+    ],
+)
+def test_decide_rules(o, action):
+    assert decide(o, RULES).action is action
+
+
+def test_floor_policies_and_chain():
+    o = obs(consecutive=2, at_floor=True)
+    assert decide(o, GuardRules(floor_policy="abort")).action is Action.ABORT
+    assert decide(o, GuardRules(floor_policy="warn")).action is Action.WARN
+    d = decide(o, GuardRules(floor_policy="fallback"))
+    assert d.precision == "bf16" and "fp16 -> bf16" in d.reason
+    assert next_precision("fp16", ["fp16", "bf16", "fp32"], bf16_ok=False) == "fp32"
+    assert next_precision("fp16-pure", ["fp16", "bf16", "fp32"]) == "fp16"
+    assert next_precision("fp32", ["fp16", "bf16", "fp32"]) is None
+
+
+class Amplifier(nn.Module):
+    """Squares its input through a large intermediate: fine in fp32, inf in fp16 once boosted."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.boost = 1.0
+
+    def forward(self, x):
+        h = self.lin(x) * self.boost
+        return 0.1 * (h * h) / (self.boost * self.boost)
+
+
+class Planted(nn.Module):
+    """A BERT with an Amplifier between the embeddings and the encoder."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.bert_mlm = BertForMaskedLM(**kw)
+        self.amp = Amplifier(kw["hidden_size"])
+        self.bert_mlm.bert.embeddings.register_forward_hook(lambda m, i, o: o + self.amp(o))
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.bert_mlm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
+    cfg = fast_cfg("model._target_=tests.test_guard.Planted", "trainer.max_steps=16")
+    fwd_dtypes = {}
+
+    def fault(tr, step, phase):
+        if step == 6:
+            tr.model.amp.boost = 1000.0  # from now on the fp16 intermediate overflows
+
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "p"), fault=fault)
+    events = read_jsonl(res.run_dir / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds[:2] == ["overflow", "promotion"]
+    assert events[0]["overflow"] == "forward" and events[1]["module"] == "amp"
+    assert res.summary["promoted_modules"] == ["amp"]
+    assert math.isfinite(res.summary["final_loss"])
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert rows[-1]["skipped"] == 1 and rows[-1]["forward_overflows"] == 1
+    assert rows[-1]["scale"] == 1024.0  # a forward overflow does not back off the scale
+    # the rest of the model still runs in fp16
+    tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "p2"), resume=__import__("ampctl.train.checkpoint", fromlist=["x"]).load_checkpoint(res.run_dir))
+    assert tr.policy.exempted == ["amp"]
+    batch = tr.data.batch_at(0)
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: fwd_dtypes.__setitem__(n, o.dtype)) for n, m in tr.model.named_modules() if n in ("amp", "bert_mlm.bert.encoder.layer.0.intermediate.dense")]
+    with tr.policy.autocast():
+        tr.model(**batch)
+    for h in hooks:
+        h.remove()
+    assert fwd_dtypes == {"amp": torch.float32, "bert_mlm.bert.encoder.layer.0.intermediate.dense": torch.float16}
+
+
+def test_consecutive_gradient_overflows_roll_back_then_fall_back(fast_cfg):
+    cfg = fast_cfg("guard.rollback_after=3", "guard.max_rollbacks=2", "trainer.max_steps=16", "guard.snapshot_every=2")
+    calls = {"n": 0, "weights_finite": True}
+
+    def fault(tr, step, phase):
+        calls["n"] += 1
+        calls["weights_finite"] &= all(torch.isfinite(p).all().item() for p in tr.params)
+        if 4 <= calls["n"] < 4 + 9:  # 9 poisoned steps in a row: 3 rollbacks' worth
+            next(iter(tr.params)).grad.view(-1)[0] = float("inf")
+
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "rb"), fault=fault)
+    kinds = [e["kind"] for e in read_jsonl(res.run_dir / "events.jsonl")]
+    assert kinds.count("rollback") == 2 and kinds.count("fallback") == 1
+    assert kinds.index("fallback") > max(i for i, k in enumerate(kinds) if k == "rollback")
+    assert res.summary["precision"] == "bf16" and res.status == "ok" and res.summary["steps"] == 16
+    assert calls["weights_finite"]
+    assert all(torch.isfinite(p).all() for p in Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "chk")).params)
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert math.isfinite(rows[-1]["loss"])
+
+
+def test_abort_policy_exits_with_a_clear_message(fast_cfg):
+    cfg = fast_cfg("guard.floor_policy=abort", "scaler.init_scale=1", "scaler.min_scale=1", "guard.rollback_after=0")
+
+    def fault(tr, step, phase):
+        if step >= 3:
+            next(iter(tr.params)).grad.view(-1)[0] = float("nan")
+
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "ab"), fault=fault)
+    assert res.status == "aborted" and res.exit_code == 1
+    last = read_jsonl(res.run_dir / "events.jsonl")[-1]
+    assert last["kind"] == "abort"
+    assert last["message"] == "loss scale at its minimum and still overflowing (2 in a row)"
+    assert (res.run_dir / "checkpoints").is_dir()  # the state was saved for diagnose/resume
+
+
+def test_clean_run_has_no_events_and_no_extra_host_reads(fast_cfg):
+    counts = {}
+    for guard in ("default", "off"):
+        cfg = fast_cfg(f"guard={guard}")
+        with count_host_reads() as reads:
+            res = train(cfg, new_run_dir(cfg.trainer.runs_dir, guard))
+        counts[guard] = reads.total
+        assert not (res.run_dir / "events.jsonl").exists()
+    assert counts["default"] == counts["off"]
+
+
+def test_locator_ignores_intentional_minus_inf_masks():
+    model = BertForMaskedLM(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, ffn_size=64, max_position=16, dropout=0.0)
+    ids = torch.randint(4, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[:, 10:] = False  # padding: the eager attention fills -inf there
+    with torch.autocast("cpu", dtype=torch.float16):
+        traces, back = trace_modules(model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids).loss, backward=True)
+    assert first_bad(traces) is None and first_bad(back) is None
+    assert len(traces) > 5 and len(back) > 5
