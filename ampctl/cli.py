@@ -43,13 +43,10 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    from ampctl.config import ConfigError
-    from ampctl.train.builders import BuildError
-    from ampctl.train.checkpoint import CheckpointError
+    from ampctl.errors import UsageError
     from ampctl.train.data import DataError
-    from ampctl.train.run import RunExistsError
 
-    return (ConfigError, BuildError, CheckpointError, DataError, RunExistsError)
+    return (UsageError, DataError)
 
 
 @app.callback()
@@ -88,6 +85,97 @@ def train(
             print_config=print_config,
             mode="quiet" if quiet else ("plain" if plain else "auto"),
         )
+    except _input_errors() as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    raise typer.Exit(code)
+
+
+@app.command("sweep-scale")
+def sweep_scale(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Hydra overrides, with sweeps: scaler.init_scale=1024,4096,65536 scaler.growth_interval=range(100,2001,400) "
+            "conf=bert_base. Default grid: init_scale {2^10,2^13,2^16} x growth_interval {100,500,2000}.",
+            show_default=False,
+        ),
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Steps per trial (default: trainer.max_steps).")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Trials run as parallel processes.")] = 1,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run an fp32 (or bf16) baseline trial.")] = True,
+    name: Annotated[str | None, typer.Option("--name", help="Sweep folder under trainer.runs_dir; re-running it skips finished trials.")] = None,
+    config_dir: Annotated[Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")] = None,
+    plain: Annotated[bool, typer.Option("--plain", help="Plain lines instead of the live table.")] = False,
+) -> None:
+    """Sweep loss-scaling settings with real training runs and recommend the best.
+
+    Every trial trains with the same seed and data order in runs/<sweep>/<trial>/. Results go to
+    results.csv / results.json; the recommendation is printed as overrides ready to paste.
+    """
+    from ampctl.sweep import run_sweep
+
+    try:
+        code = run_sweep(
+            overrides=list(overrides or []), steps=steps, jobs=jobs, baseline=baseline, name=name,
+            config_dir=config_dir, mode="plain" if plain else "auto",
+        )
+    except _input_errors() as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    raise typer.Exit(code)
+
+
+@app.command()
+def diagnose(
+    path: Annotated[Path, typer.Argument(help="A checkpoint file, or a run folder (latest checkpoint + metrics + events).", show_default=False)],
+    batches: Annotated[int, typer.Option("--batches", "-b", min=1, help="Batches to replay with hooks.")] = 2,
+    precision: Annotated[str | None, typer.Option("--precision", help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure.")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (schema in README).")] = False,
+) -> None:
+    """Explain a NaN run: bad tensors, first overflowing module, what to change.
+
+    Exit code 0 when healthy, 1 when problems were found, 2 for bad input.
+    Checkpoints are loaded with weights_only=True: a checkpoint never runs code.
+    """
+    from ampctl.diagnose import run_diagnose
+
+    try:
+        code = run_diagnose(path=path, batches=batches, precision=precision, device=device, as_json=as_json)
+    except _input_errors() as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    raise typer.Exit(code)
+
+
+@app.command()
+def bench(
+    overrides: Annotated[list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)] = None,
+    steps: Annotated[int, typer.Option("--steps", min=2, help="Timed steps per measurement.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON (overhead.ratio, ...).")] = False,
+    config_dir: Annotated[Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")] = None,
+) -> None:
+    """Measure what protection costs: overhead vs a bare GradScaler loop, fused vs per-parameter
+    overflow check, host reads per step, and a precision table (step time, tokens/s, memory)."""
+    from ampctl.bench import run_bench
+
+    try:
+        code = run_bench(overrides=list(overrides or []), steps=steps, as_json=as_json, config_dir=config_dir)
+    except _input_errors() as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    raise typer.Exit(code)
+
+
+@app.command()
+def plot(
+    path: Annotated[Path, typer.Argument(help="A run folder or a sweep folder.", show_default=False)],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG to write (default: plot.png in the folder).")] = None,
+    baseline: Annotated[Path | None, typer.Option("--baseline", help="A run folder whose loss is overlaid (e.g. an fp32 run).")] = None,
+) -> None:
+    """Draw a run (loss, scale with skipped steps, overflow rate, grad norm and underflow, guard
+    events) or a sweep (heat map and scale trajectories) into a PNG. Needs matplotlib."""
+    from ampctl.plot import run_plot
+
+    try:
+        code = run_plot(path=path, out=out, baseline=baseline)
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)

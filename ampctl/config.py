@@ -23,6 +23,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ampctl.errors import UsageError
+
 __all__ = [
     "ConfigError",
     "RunConfig",
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """Bad user input in the config: the message is one line meant for the user."""
 
 
@@ -293,7 +295,12 @@ def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+    from hydra.errors import (
+        ConfigCompositionException,
+        HydraException,
+        MissingConfigException,
+        OverrideParseException,
+    )
     from hydra.types import RunMode
 
     if config_dir is not None:

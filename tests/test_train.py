@@ -140,7 +140,7 @@ def test_host_reads_one_per_step_plus_log(fast_cfg):
         tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, f"h{guard}"))
         tr.take_snapshot()
         with count_host_reads() as reads:
-            for step in range(8):
+            for _ in range(8):
                 tr.train_step(log=False)
         assert reads.total == 8, guard
 

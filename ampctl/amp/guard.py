@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["Action", "Observation", "Decision", "GuardRules", "decide", "next_precision", "OverflowGuard"]
 
 
-class Action(str, enum.Enum):
+class Action(enum.StrEnum):
     CONTINUE = "continue"
     ROLLBACK = "rollback"
     FALLBACK = "fallback"

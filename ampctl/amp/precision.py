@@ -137,7 +137,7 @@ class MasterWeights:
         low = [(p, m) for p, m in self._low() if p.grad is not None]
         if not low:
             return
-        for p, m in low:
+        for _p, m in low:
             if m.grad is None:
                 m.grad = torch.empty_like(m)
         torch._foreach_copy_([m.grad for _, m in low], [p.grad for p, _ in low])

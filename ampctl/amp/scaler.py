@@ -330,9 +330,7 @@ class LossScaler:
                 "LossScaler.step() was already called for this optimizer in this step: call "
                 "update() after step(), once per iteration."
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and not (
-            "grad_scaler" in inspect.signature(optimizer.step).parameters
-        ):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and "grad_scaler" not in inspect.signature(optimizer.step).parameters:
             if st["stage"] is OptState.READY:
                 one = torch.ones((), dtype=torch.float32, device=t["scale"].device)
                 found = torch.zeros((), dtype=torch.float32, device=t["scale"].device)

@@ -10,12 +10,20 @@ import torch
 from torch import nn
 
 from ampctl.config import ConfigError, OptimConfig, RunConfig
+from ampctl.errors import UsageError
 from ampctl.train.data import DataError, MLMSource, build_data
 
-__all__ = ["BuildError", "resolve_device", "build_model", "build_data_source", "build_optimizer", "extract_loss"]
+__all__ = [
+    "BuildError",
+    "resolve_device",
+    "build_model",
+    "build_data_source",
+    "build_optimizer",
+    "extract_loss",
+]
 
 
-class BuildError(ValueError):
+class BuildError(UsageError):
     """The config names something that cannot be built (bad _target_, bad data path...)."""
 
 
@@ -24,22 +32,30 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BuildError(f"trainer.device={name}: CUDA is not available on this machine; use trainer.device=cpu or auto")
+        raise BuildError(
+            f"trainer.device={name}: CUDA is not available on this machine; use trainer.device=cpu or auto"
+        )
     return dev
 
 
 def _import_target(path: str) -> Any:
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise BuildError(f"model._target_={path!r}: give a dotted import path, e.g. my_pkg.models.MyModel")
+        raise BuildError(
+            f"model._target_={path!r}: give a dotted import path, e.g. my_pkg.models.MyModel"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise BuildError(f"model._target_={path!r}: cannot import module {module_name!r} ({e})") from None
+        raise BuildError(
+            f"model._target_={path!r}: cannot import module {module_name!r} ({e})"
+        ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise BuildError(f"model._target_={path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise BuildError(
+            f"model._target_={path!r}: module {module_name!r} has no attribute {attr!r}"
+        ) from None
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
@@ -51,15 +67,26 @@ def build_model(cfg: RunConfig) -> nn.Module:
     try:
         model = target(**spec)
     except (TypeError, ValueError) as e:
-        raise BuildError(f"model: building {cfg.model['_target_']} failed: {str(e).splitlines()[0]}") from None
+        raise BuildError(
+            f"model: building {cfg.model['_target_']} failed: {str(e).splitlines()[0]}"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise BuildError(f"model._target_={cfg.model['_target_']!r} returned {type(model).__name__}, not a torch.nn.Module")
+        raise BuildError(
+            f"model._target_={cfg.model['_target_']!r} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 
 def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLMSource:
     d = cfg.data
-    kw: dict[str, Any] = dict(seq_len=d.seq_len, batch_size=d.batch_size, seed=cfg.trainer.seed, mask_prob=d.mask_prob, rank=rank, world_size=world_size)
+    kw: dict[str, Any] = dict(
+        seq_len=d.seq_len,
+        batch_size=d.batch_size,
+        seed=cfg.trainer.seed,
+        mask_prob=d.mask_prob,
+        rank=rank,
+        world_size=world_size,
+    )
     if d.kind == "synthetic":
         kw.update(vocab_size=d.vocab_size, branching=d.branching)
     else:
@@ -72,13 +99,17 @@ def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLM
         raise BuildError(f"data: {str(e).splitlines()[0]}") from None
 
 
-def build_optimizer(o: OptimConfig, params: list[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    o: OptimConfig, params: list[nn.Parameter], device: torch.device
+) -> torch.optim.Optimizer:
     """AdamW / Adam / SGD over ``params``. With ``fused`` the lr is a device tensor, so the
     schedule can be applied on the device (no host read)."""
     lr: float | torch.Tensor = torch.tensor(o.lr, device=device) if o.fused else o.lr
     if o.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-        kw: dict[str, Any] = dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        kw: dict[str, Any] = dict(
+            lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
         if o.fused:
             kw["fused"] = True
         return cls(params, **kw)

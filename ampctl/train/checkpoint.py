@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ampctl.errors import UsageError
+
 __all__ = [
     "CheckpointError",
     "FORMAT",
@@ -32,7 +34,7 @@ FORMAT = "ampctl-checkpoint/1"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint that is missing, truncated, not ours, or carries code."""
 
 
@@ -49,7 +51,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
+def save_checkpoint(
+    ckpt_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3
+) -> Path:
     """Write ``state`` as ``ckpt_dir/step_XXXXXXXX.pt`` atomically; keep the newest ``keep_last``.
 
     On failure (disk full, permission) the partial temp file is removed, earlier checkpoints are
@@ -80,7 +84,9 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    found = [
+        (int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -93,13 +99,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint file, or the latest one of a run folder (``run/checkpoints/``)."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"{str(path)!r} does not exist: give a checkpoint file or a run folder")
+        raise CheckpointError(
+            f"{str(path)!r} does not exist: give a checkpoint file or a run folder"
+        )
     if p.is_dir():
         for d in (p / "checkpoints", p):
             latest = latest_checkpoint(d)
             if latest is not None:
                 return latest
-        raise CheckpointError(f"{str(path)!r} holds no checkpoint (looked for checkpoints/step_*.pt)")
+        raise CheckpointError(
+            f"{str(path)!r} holds no checkpoint (looked for checkpoints/step_*.pt)"
+        )
     return p
 
 
@@ -112,12 +122,16 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         obj = torch.load(p, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line
         text = str(e)
-        if "Weights only load failed" in text or "Unsupported global" in text or "UnpicklingError" in type(e).__name__:
+        first = text.splitlines()[0] if text else type(e).__name__
+        if "Unsupported global" in text or "GLOBAL" in text or "Unsupported class" in text:
             raise CheckpointError(
                 f"{str(p)!r} was refused: it holds pickled objects beyond tensors and plain containers "
                 f"(code could run on load); ampctl loads checkpoints with weights_only=True only"
             ) from None
-        raise CheckpointError(f"{str(p)!r} is not a readable checkpoint (truncated or corrupt?): {text.splitlines()[0] if text else type(e).__name__}") from None
+        raise CheckpointError(
+            f"{str(p)!r} is not a readable checkpoint (truncated or corrupt?): "
+            + ("not data that torch.load(weights_only=True) accepts" if "Weights only load failed" in first else first)
+        ) from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise CheckpointError(f"{str(p)!r} is not an ampctl checkpoint (no '{FORMAT}' format tag)")
     obj["path"] = str(p)

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ampctl.amp import LossScaler, PrecisionPolicy, bf16_supported, nonfinite_tensor_names
 from ampctl.amp.guard import Action, GuardRules, OverflowGuard
@@ -164,7 +163,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _setup_precision(self, name: str, exempted: list[str]) -> None:
-        self.policy = PrecisionPolicy(name=name, fp32_modules=list(self.cfg.precision.fp32_modules), device_type=self.device.type)
+        self.policy = PrecisionPolicy(
+            name=name,
+            fp32_modules=list(self.cfg.precision.fp32_modules),
+            device_type=self.device.type,
+        )
         for n in exempted:
             if n not in self.policy.exempted:
                 self.policy.exempt(self.model, n)
@@ -193,11 +196,19 @@ class Trainer:
             "data": self.data.state_dict(),
             "config": self.cfg.to_dict(),
             "precision": {"name": self.policy.name, "exempted": list(self.policy.exempted)},
-            "master": [m.detach().cpu() for m in self.params] if self.policy.master is not None else None,
+            "master": [m.detach().cpu() for m in self.params]
+            if self.policy.master is not None
+            else None,
             "guard": self.guard.state_dict(),
-            "trainer": {"tokens": self._tokens_total, "wall_s": self._wall(), "events": len(self.events)},
+            "trainer": {
+                "tokens": self._tokens_total,
+                "wall_s": self._wall(),
+                "events": len(self.events),
+            },
             "log_window": {
-                "loss_sum": self._acc.loss_sum.detach().cpu() if self._acc.loss_sum is not None else None,
+                "loss_sum": self._acc.loss_sum.detach().cpu()
+                if self._acc.loss_sum is not None
+                else None,
                 "loss_n": self._acc.loss_n.detach().cpu() if self._acc.loss_n is not None else None,
                 "tokens": self._acc.tokens,
             },
@@ -208,7 +219,9 @@ class Trainer:
         try:
             self.model.load_state_dict(ck["model"])
         except RuntimeError as e:
-            raise BuildError(f"checkpoint {ck.get('path')}: does not fit the configured model: {str(e).splitlines()[0]}") from None
+            raise BuildError(
+                f"checkpoint {ck.get('path')}: does not fit the configured model: {str(e).splitlines()[0]}"
+            ) from None
         if ck.get("master") is not None and self.policy.master is not None:
             with torch.no_grad():
                 for m, v in zip(self.params, ck["master"], strict=True):
@@ -241,7 +254,9 @@ class Trainer:
             scale=self.scaler.get_scale_tensor().clone(),
             data=self.data.state_dict(),
             rng=rng_state(),
-            master=[m.detach().clone() for m in self.params] if self.policy.master is not None else None,
+            master=[m.detach().clone() for m in self.params]
+            if self.policy.master is not None
+            else None,
         )
 
     def _restore(self, snap: _Snapshot) -> None:
@@ -271,18 +286,30 @@ class Trainer:
             f.write(json.dumps(row, default=_json_number) + "\n")
 
     def save(self) -> Path:
-        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.state(), keep_last=self.cfg.trainer.keep_last)
+        path = save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            self.state(),
+            keep_last=self.cfg.trainer.keep_last,
+        )
         return path
 
     # ------------------------------------------------------------------ one step
     def _set_lr(self) -> None:
         o = self.cfg.optim
-        kw = dict(max_steps=self.cfg.trainer.max_steps, warmup_steps=o.warmup_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        kw = dict(
+            max_steps=self.cfg.trainer.max_steps,
+            warmup_steps=o.warmup_steps,
+            schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+        )
         if self._fused:
             # applied steps = recorded steps - skipped, on the device: no host read
             counters = self.scaler.device_counters() if self.scaler.device is not None else None
             applied = (
-                torch.full((), float(self.scaler.num_steps), dtype=torch.float64, device=self.device)
+                torch.full(
+                    (), float(self.scaler.num_steps), dtype=torch.float64, device=self.device
+                )
                 - counters["skipped_total"].double()
                 if counters is not None
                 else torch.zeros((), device=self.device)
@@ -312,7 +339,9 @@ class Trainer:
         batches = []
         loss_total = None
         for _ in range(accum):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in self.data.next_batch().items()}
+            batch = {
+                k: v.to(self.device, non_blocking=True) for k, v in self.data.next_batch().items()
+            }
             batches.append(batch)
             loss = self._forward_loss(batch) / accum
             self.scaler.scale(loss).backward()
@@ -348,7 +377,13 @@ class Trainer:
         fwd = st["forward_overflows"] > getattr(self, "_fwd_seen", 0)
         self._fwd_seen = st["forward_overflows"]
         g = self.cfg.guard
-        names = nonfinite_tensor_names(((n, p.grad) for n, p in self.named_params), limit=g.attribution_limit) if g.attribution else []
+        names = (
+            nonfinite_tensor_names(
+                ((n, p.grad) for n, p in self.named_params), limit=g.attribution_limit
+            )
+            if g.attribution
+            else []
+        )
         kind = "forward" if fwd else "gradient"
         msg = f"{kind} overflow, step skipped; scale now {st['scale']:g}"
         if names:
@@ -368,7 +403,11 @@ class Trainer:
                 continue
             where = "non-finite" if bad.bad else f"above {limit:g}"
             if bad.name == "<model>" or not self.cfg.guard.promote or self.policy.name in ("fp32",):
-                self.emit("locate", f"forward overflow first appears in {bad.name} ({where}, {bad.dtype})", module=bad.name)
+                self.emit(
+                    "locate",
+                    f"forward overflow first appears in {bad.name} ({where}, {bad.dtype})",
+                    module=bad.name,
+                )
                 return
             if self.policy.exempt(self.model, bad.name):
                 self.emit(
@@ -377,9 +416,14 @@ class Trainer:
                     module=bad.name,
                 )
             else:
-                self.emit("locate", f"forward overflow in {bad.name}, already fp32", module=bad.name)
+                self.emit(
+                    "locate", f"forward overflow in {bad.name}, already fp32", module=bad.name
+                )
             return
-        self.emit("locate", "forward overflow did not reproduce on replay (non-deterministic or data-dependent)")
+        self.emit(
+            "locate",
+            "forward overflow did not reproduce on replay (non-deterministic or data-dependent)",
+        )
 
     def _apply(self, decision) -> None:
         if decision.action is Action.CONTINUE:
@@ -396,10 +440,17 @@ class Trainer:
         snap = self.snapshot
         if decision.action is Action.ROLLBACK:
             self._restore(snap)  # the scaler keeps its counters: the skips happened
-            new_scale = max(min(old_scale, float(snap.scale.item())) * self.cfg.guard.rollback_backoff, self.scaler.min_scale)
+            new_scale = max(
+                min(old_scale, float(snap.scale.item())) * self.cfg.guard.rollback_backoff,
+                self.scaler.min_scale,
+            )
             self.scaler.update(new_scale=new_scale)
             self.guard.after_rollback()
-            self.emit("rollback", f"{decision.reason}: restored step {snap.step}, scale {old_scale:g} -> {new_scale:g}", to_step=snap.step)
+            self.emit(
+                "rollback",
+                f"{decision.reason}: restored step {snap.step}, scale {old_scale:g} -> {new_scale:g}",
+                to_step=snap.step,
+            )
             return
         # FALLBACK
         old = self.policy.name
@@ -412,14 +463,19 @@ class Trainer:
         self.guard.after_fallback()
         self.snapshot = None
         self.take_snapshot()
-        self.emit("fallback", f"{decision.reason}; restored step {snap.step}", from_precision=old, to_precision=decision.precision)
+        self.emit(
+            "fallback",
+            f"{decision.reason}; restored step {snap.step}",
+            from_precision=old,
+            to_precision=decision.precision,
+        )
 
     def _switch_precision(self, name: str) -> None:
         """Change the run's precision in place, keeping weights, optimizer state and exemptions."""
         opt_state = self.optimizer.state_dict()
         if self.policy.master is not None:  # fp16-pure: the masters become the weights
             with torch.no_grad():
-                for (p, m) in self.policy.master.pairs:
+                for p, m in self.policy.master.pairs:
                     p.data = m.detach().clone()
         self.model.float()
         exempted = list(self.policy.exempted)
@@ -466,9 +522,16 @@ class Trainer:
         }
         if stats is not None:
             gn, ga, gu, ge, gb = vals[7:]
-            row.update(grad_norm=gn, grad_amax=ga, grad_underflow_frac=gu / max(ge, 1), nonfinite_grads=int(gb))
+            row.update(
+                grad_norm=gn,
+                grad_amax=ga,
+                grad_underflow_frac=gu / max(ge, 1),
+                nonfinite_grads=int(gb),
+            )
         else:
-            row.update(grad_norm=None, grad_amax=None, grad_underflow_frac=None, nonfinite_grads=None)
+            row.update(
+                grad_norm=None, grad_amax=None, grad_underflow_frac=None, nonfinite_grads=None
+            )
         self._write_metrics(row)
         self.last_metrics = row
         if self.display is not None:
@@ -476,7 +539,11 @@ class Trainer:
         # the fused path takes guard decisions here, from the device counters
         if self._fused and self.cfg.guard.enabled and consec > 0:
             decision = self.guard.observe(
-                step=self.step, skipped=True, forward_overflow=False, at_floor=self._at_floor(scale), precision=self.policy.name
+                step=self.step,
+                skipped=True,
+                forward_overflow=False,
+                at_floor=self._at_floor(scale),
+                precision=self.policy.name,
             )
             self.guard.consecutive = int(consec)
             self._apply(decision)
@@ -511,19 +578,30 @@ class Trainer:
                 out = self.train_step(log)
                 lt = out["loss"]
                 finite = torch.isfinite(lt)
-                acc.loss_sum = torch.where(finite, lt, 0.0) if acc.loss_sum is None else acc.loss_sum + torch.where(finite, lt, 0.0)
+                acc.loss_sum = (
+                    torch.where(finite, lt, 0.0)
+                    if acc.loss_sum is None
+                    else acc.loss_sum + torch.where(finite, lt, 0.0)
+                )
                 acc.loss_n = finite.double() if acc.loss_n is None else acc.loss_n + finite.double()
                 acc.tokens += self.tokens_per_step
                 if self.cfg.guard.enabled and out["skipped"] is not None:
                     fwd = self._on_skip(out) if out["skipped"] else False
                     at_floor = self._at_floor(self.scaler.get_scale()) if out["skipped"] else False
                     decision = self.guard.observe(
-                        step=self.step, skipped=out["skipped"], forward_overflow=fwd, at_floor=at_floor, precision=self.policy.name
+                        step=self.step,
+                        skipped=out["skipped"],
+                        forward_overflow=fwd,
+                        at_floor=at_floor,
+                        precision=self.policy.name,
                     )
                     self._apply(decision)
                     if not out["skipped"]:
                         self._clean_since_snapshot += 1
-                        if self._clean_since_snapshot >= self.cfg.guard.snapshot_every and self.guard.consecutive == 0:
+                        if (
+                            self._clean_since_snapshot >= self.cfg.guard.snapshot_every
+                            and self.guard.consecutive == 0
+                        ):
                             self.take_snapshot()
                             self._clean_since_snapshot = 0
                 if log:
@@ -534,7 +612,9 @@ class Trainer:
                 if self._stop_signal is not None:
                     path = self.save()
                     name = "SIGINT" if self._stop_signal == signal.SIGINT else "SIGTERM"
-                    self.emit("interrupt", f"{name}: stopped after step {self.step}, checkpoint {path}")
+                    self.emit(
+                        "interrupt", f"{name}: stopped after step {self.step}, checkpoint {path}"
+                    )
                     status, code = "interrupted", 130 if self._stop_signal == signal.SIGINT else 143
                     break
         except TrainAborted:
@@ -544,7 +624,9 @@ class Trainer:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
         summary = self._summary(status)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_json_number) + "\n")
+        (self.run_dir / "summary.json").write_text(
+            json.dumps(summary, indent=2, default=_json_number) + "\n"
+        )
         return TrainResult(summary=summary, run_dir=self.run_dir, status=status, exit_code=code)
 
     def _summary(self, status: str) -> dict[str, Any]:

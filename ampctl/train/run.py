@@ -7,12 +7,14 @@ import re
 import time
 from pathlib import Path
 
+from ampctl.errors import UsageError
+
 __all__ = ["RunExistsError", "new_run_dir", "default_run_name"]
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
 
 
-class RunExistsError(ValueError):
+class RunExistsError(UsageError):
     pass
 
 
@@ -25,7 +27,9 @@ def new_run_dir(runs_dir: str | Path, name: str | None, preset: str = "config") 
     root = Path(runs_dir)
     if name is not None:
         if not _NAME_OK.match(name) or name in (".", ".."):
-            raise RunExistsError(f"--name {name!r}: use letters, digits and . _ - = , + (no slashes or spaces)")
+            raise RunExistsError(
+                f"--name {name!r}: use letters, digits and . _ - = , + (no slashes or spaces)"
+            )
         path = root / name
         root.mkdir(parents=True, exist_ok=True)
         try:

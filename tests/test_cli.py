@@ -1,0 +1,172 @@
+"""Bad input everywhere: one line on stderr, exit code 2, no traceback, nothing overwritten."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ampctl.cli import app
+from tests.conftest import FAST
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    return result
+
+
+def assert_bad(result, *fragments: str):
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    err = result.stderr.strip()
+    assert "Traceback" not in result.output and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("ampctl: error: ")
+    for f in fragments:
+        assert f in err, (f, err)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return tmp_path / "runs"
+
+
+def train_args(runs, *extra):
+    return ["train", *FAST, f"trainer.runs_dir={runs}", "--quiet", *extra]
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("scaler.init_scal=3", ["unknown key 'scaler.init_scal'", "did you mean 'scaler.init_scale'"]),
+        ("trainer.max_step=3", ["did you mean 'trainer.max_steps'"]),
+        ("trainer.max_steps=abc", ["trainer.max_steps=abc: wrong type, trainer.max_steps must be an integer"]),
+        ("scaler.init_scale=0", ["scaler.init_scale=0.0 is not allowed: scaler.init_scale must be a number > 0"]),
+        ("scaler.init_scale=-5", ["scaler.init_scale must be a number > 0"]),
+        ("scaler.growth_factor=1", ["scaler.growth_factor must be a number > 1"]),
+        ("scaler.backoff_factor=1.5", ["scaler.backoff_factor must be in (0, 1)"]),
+        ("scaler.backoff_factor=0", ["scaler.backoff_factor must be in (0, 1)"]),
+        ("scaler.growth_interval=0", ["scaler.growth_interval must be an integer >= 1"]),
+        ("scaler.hysteresis=0", ["scaler.hysteresis must be an integer >= 1"]),
+        ("scaler.min_scale=1e9", ["scaler.min_scale=1000000000.0 is not allowed", "<= scaler.max_scale"]),
+        ("optim.lr=-0.1", ["optim.lr must be a number > 0"]),
+        ("trainer.max_steps=0", ["trainer.max_steps must be an integer >= 1"]),
+        ("conf=nope", ["conf=nope: no such preset; available: bert_base, bert_large, config"]),
+        ("precision=fp8", ["precision=fp8: no such option; precision can be one of bf16, fp16, fp16-pure, fp32"]),
+        ("optim=lamb", ["optim=lamb: no such option; optim can be one of adamw, sgd"]),
+        ("data=text", ["data.path is missing: data=text needs data.path=FILE_OR_DIR"]),
+        ("model._target_=no.such.Model", ["model._target_='no.such.Model': cannot import module 'no.such'"]),
+        ("model._target_=collections.OrderedDict", ["returned OrderedDict, not a torch.nn.Module"]),
+        ("trainer.device=tpu", ["trainer.device must be one of auto, cpu, cuda, cuda:N"]),
+        ("+foo=1", ["unknown key 'foo'"]),
+        ("a=b=c=[", ["cannot parse override"]),
+    ],
+)
+def test_bad_overrides(runs, override, fragments):
+    assert_bad(run(*train_args(runs, override)), *fragments)
+    assert not runs.exists() or not any(runs.iterdir())  # no empty run folders left behind
+
+
+def test_missing_and_empty_data_path(runs, tmp_path):
+    assert_bad(run(*train_args(runs, "data=text", "data.vocab_size=260", f"data.path={tmp_path / 'none.txt'}")), "does not exist")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_bad(run(*train_args(runs, "data=text", "data.vocab_size=260", f"data.path={empty}")), str(empty))
+
+
+class NoLoss(torch.nn.Module):
+    def __init__(self, **_):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return {"logits": self.lin(torch.zeros(1, 2))}
+
+
+def test_model_without_loss(runs):
+    res = run(*train_args(runs, "model._target_=tests.test_cli.NoLoss"))
+    assert_bad(res, "returned dict with no scalar loss")
+
+
+def test_existing_run_name_is_refused_and_untouched(runs):
+    target = runs / "taken"
+    target.mkdir(parents=True)
+    (target / "metrics.jsonl").write_text("precious\n")
+    assert_bad(run(*train_args(runs, "--name", "taken")), "exists already")
+    assert (target / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_bad_checkpoints_on_resume(tmp_path, runs):
+    missing = tmp_path / "nope.pt"
+    assert_bad(run("train", "--resume", str(missing)), "does not exist")
+    empty_dir = tmp_path / "emptyrun"
+    empty_dir.mkdir()
+    assert_bad(run("train", "--resume", str(empty_dir)), "holds no checkpoint")
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    assert_bad(run("train", "--resume", str(empty)), "is empty")
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint at all" * 10)
+    assert_bad(run("train", "--resume", str(junk)), "is not a readable checkpoint")
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    assert_bad(run("train", "--resume", str(foreign)), "is not an ampctl checkpoint")
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/ampctl-pwned",))
+
+
+def test_pickle_payload_is_refused(tmp_path):
+    if os.path.exists("/tmp/ampctl-pwned"):
+        os.remove("/tmp/ampctl-pwned")
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "ampctl-checkpoint/1", "x": Evil()}, evil)  # as a real attack would
+    assert_bad(run("train", "--resume", str(evil)), "was refused", "weights_only=True")
+    raw = tmp_path / "raw.pt"
+    with open(raw, "wb") as f:
+        pickle.dump({"format": "ampctl-checkpoint/1", "x": Evil()}, f, protocol=4)
+    assert_bad(run("train", "--resume", str(raw)), "is not a readable checkpoint")
+    assert not os.path.exists("/tmp/ampctl-pwned")
+
+
+def test_truncated_and_incompatible_checkpoints(runs, tmp_path):
+    ok = run(*train_args(runs, "--name", "src"))
+    assert ok.exit_code == 0, ok.output
+    ck = sorted((runs / "src" / "checkpoints").glob("step_*.pt"))[-1]
+    data = ck.read_bytes()
+    cut = tmp_path / "cut" / "checkpoints"
+    cut.mkdir(parents=True)
+    (cut / "step_00000012.pt").write_bytes(data[: len(data) // 2])
+    assert_bad(run("train", "--resume", str(cut / "step_00000012.pt")), "truncated or corrupt")
+    # a checkpoint from another model: resume with a different hidden size
+    assert_bad(run("train", "--resume", str(ck), "model.hidden_size=48"), "does not fit the configured model")
+    assert sorted((runs / "src" / "checkpoints").glob("step_*.pt"))[-1].read_bytes() == data
+
+
+def test_print_config_shows_the_seed_settings_for_bert_large():
+    res = run("train", "conf=bert_large", "--print-config")
+    assert res.exit_code == 0
+    out = res.stdout
+    for line in [
+        "num_layers: 24", "hidden_size: 1024", "num_heads: 16", "ffn_size: 4096", "vocab_size: 30522",
+        "seq_len: 512", "batch_size: 64", "lr: 0.0001", "clip_grad_norm: 1.0", "init_scale: 1024.0",
+        "growth_interval: 500", "- '*embeddings*'",
+    ]:
+        assert line in out, line
+
+
+def test_help_explains_every_command():
+    for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot"):
+        res = run(cmd, "--help")
+        assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_debug_flag_shows_the_traceback(runs):
+    res = runner.invoke(app, ["--debug", *train_args(runs, "scaler.init_scale=0")])
+    assert res.exit_code == 2 and "Traceback" in res.output + res.stderr
