@@ -50,24 +50,45 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False) -> None:
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
     _DEBUG["on"] = debug
 
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    overrides: Annotated[list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)] = None,
-    config_dir: Annotated[
-        Path | None, typer.Option("--config-dir", help="Your own configs and presets; searched before ampctl's conf/.")
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)
     ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="Run folder name under trainer.runs_dir (default: <preset>-<time>).")] = None,
+    config_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--config-dir", help="Your own configs and presets; searched before ampctl's conf/."
+        ),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name", help="Run folder name under trainer.runs_dir (default: <preset>-<time>)."
+        ),
+    ] = None,
     resume: Annotated[
         Path | None,
-        typer.Option("--resume", help="Continue a run: its folder (latest checkpoint) or a checkpoint file. Overrides may change e.g. trainer.max_steps."),
+        typer.Option(
+            "--resume",
+            help="Continue a run: its folder (latest checkpoint) or a checkpoint file. Overrides may change e.g. trainer.max_steps.",
+        ),
     ] = None,
-    print_config: Annotated[bool, typer.Option("--print-config", help="Print the composed, resolved config and exit.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
-    plain: Annotated[bool, typer.Option("--plain", help="One plain line per log interval, even on a terminal.")] = False,
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="Print the composed, resolved config and exit.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Print only the final summary.")
+    ] = False,
+    plain: Annotated[
+        bool, typer.Option("--plain", help="One plain line per log interval, even on a terminal.")
+    ] = False,
 ) -> None:
     """Train under the protected mixed-precision loop.
 
@@ -100,12 +121,30 @@ def sweep_scale(
             show_default=False,
         ),
     ] = None,
-    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Steps per trial (default: trainer.max_steps).")] = None,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Trials run as parallel processes.")] = 1,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run an fp32 (or bf16) baseline trial.")] = True,
-    name: Annotated[str | None, typer.Option("--name", help="Sweep folder under trainer.runs_dir; re-running it skips finished trials.")] = None,
-    config_dir: Annotated[Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")] = None,
-    plain: Annotated[bool, typer.Option("--plain", help="Plain lines instead of the live table.")] = False,
+    steps: Annotated[
+        int | None,
+        typer.Option("--steps", min=1, help="Steps per trial (default: trainer.max_steps)."),
+    ] = None,
+    jobs: Annotated[
+        int, typer.Option("--jobs", "-j", min=1, help="Trials run as parallel processes.")
+    ] = 1,
+    baseline: Annotated[
+        bool,
+        typer.Option("--baseline/--no-baseline", help="Also run an fp32 (or bf16) baseline trial."),
+    ] = True,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            help="Sweep folder under trainer.runs_dir; re-running it skips finished trials.",
+        ),
+    ] = None,
+    config_dir: Annotated[
+        Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
+    ] = None,
+    plain: Annotated[
+        bool, typer.Option("--plain", help="Plain lines instead of the live table.")
+    ] = False,
 ) -> None:
     """Sweep loss-scaling settings with real training runs and recommend the best.
 
@@ -116,8 +155,13 @@ def sweep_scale(
 
     try:
         code = run_sweep(
-            overrides=list(overrides or []), steps=steps, jobs=jobs, baseline=baseline, name=name,
-            config_dir=config_dir, mode="plain" if plain else "auto",
+            overrides=list(overrides or []),
+            steps=steps,
+            jobs=jobs,
+            baseline=baseline,
+            name=name,
+            config_dir=config_dir,
+            mode="plain" if plain else "auto",
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -126,11 +170,27 @@ def sweep_scale(
 
 @app.command()
 def diagnose(
-    path: Annotated[Path, typer.Argument(help="A checkpoint file, or a run folder (latest checkpoint + metrics + events).", show_default=False)],
-    batches: Annotated[int, typer.Option("--batches", "-b", min=1, help="Batches to replay with hooks.")] = 2,
-    precision: Annotated[str | None, typer.Option("--precision", help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure.")] = None,
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint file, or a run folder (latest checkpoint + metrics + events).",
+            show_default=False,
+        ),
+    ],
+    batches: Annotated[
+        int, typer.Option("--batches", "-b", min=1, help="Batches to replay with hooks.")
+    ] = 2,
+    precision: Annotated[
+        str | None,
+        typer.Option(
+            "--precision",
+            help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure.",
+        ),
+    ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (schema in README).")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON (schema in README).")
+    ] = False,
 ) -> None:
     """Explain a NaN run: bad tensors, first overflowing module, what to change.
 
@@ -140,7 +200,9 @@ def diagnose(
     from ampctl.diagnose import run_diagnose
 
     try:
-        code = run_diagnose(path=path, batches=batches, precision=precision, device=device, as_json=as_json)
+        code = run_diagnose(
+            path=path, batches=batches, precision=precision, device=device, as_json=as_json
+        )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
@@ -148,17 +210,25 @@ def diagnose(
 
 @app.command()
 def bench(
-    overrides: Annotated[list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)
+    ] = None,
     steps: Annotated[int, typer.Option("--steps", min=2, help="Timed steps per measurement.")] = 20,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON (overhead.ratio, ...).")] = False,
-    config_dir: Annotated[Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the figures as JSON (overhead.ratio, ...).")
+    ] = False,
+    config_dir: Annotated[
+        Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
+    ] = None,
 ) -> None:
     """Measure what protection costs: overhead vs a bare GradScaler loop, fused vs per-parameter
     overflow check, host reads per step, and a precision table (step time, tokens/s, memory)."""
     from ampctl.bench import run_bench
 
     try:
-        code = run_bench(overrides=list(overrides or []), steps=steps, as_json=as_json, config_dir=config_dir)
+        code = run_bench(
+            overrides=list(overrides or []), steps=steps, as_json=as_json, config_dir=config_dir
+        )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
@@ -166,9 +236,17 @@ def bench(
 
 @app.command()
 def plot(
-    path: Annotated[Path, typer.Argument(help="A run folder or a sweep folder.", show_default=False)],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG to write (default: plot.png in the folder).")] = None,
-    baseline: Annotated[Path | None, typer.Option("--baseline", help="A run folder whose loss is overlaid (e.g. an fp32 run).")] = None,
+    path: Annotated[
+        Path, typer.Argument(help="A run folder or a sweep folder.", show_default=False)
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="PNG to write (default: plot.png in the folder)."),
+    ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option("--baseline", help="A run folder whose loss is overlaid (e.g. an fp32 run)."),
+    ] = None,
 ) -> None:
     """Draw a run (loss, scale with skipped steps, overflow rate, grad norm and underflow, guard
     events) or a sweep (heat map and scale trajectories) into a PNG. Needs matplotlib."""

@@ -47,7 +47,9 @@ def packaged_conf_dir() -> Path:
     for cand in (here / "conf", here.parent / "conf"):
         if (cand / "config.yaml").is_file():
             return cand
-    raise ConfigError(f"ampctl's packaged configs were not found next to {here}; reinstall with `pip install -e .`")
+    raise ConfigError(
+        f"ampctl's packaged configs were not found next to {here}; reinstall with `pip install -e .`"
+    )
 
 
 # ---------------------------------------------------------------------------- schema
@@ -77,11 +79,19 @@ class TrainerConfig:
     overflow_window: int = 50
 
     def __post_init__(self) -> None:
-        for k in ("max_steps", "log_every", "ckpt_every", "keep_last", "grad_accum_steps", "overflow_window"):
+        for k in (
+            "max_steps",
+            "log_every",
+            "ckpt_every",
+            "keep_last",
+            "grad_accum_steps",
+            "overflow_window",
+        ):
             _need(getattr(self, k) >= 1, f"trainer.{k}", getattr(self, k), "an integer >= 1")
         _need(self.seed >= 0, "trainer.seed", self.seed, "an integer >= 0")
         _need(
-            self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
+            self.device in ("auto", "cpu", "cuda")
+            or re.fullmatch(r"cuda:\d+", self.device) is not None,
             "trainer.device",
             self.device,
             "one of auto, cpu, cuda, cuda:N",
@@ -99,16 +109,33 @@ class DataConfig:
     path: str | None = None
 
     def __post_init__(self) -> None:
-        _need(self.kind in ("synthetic", "text"), "data.kind", self.kind, "one of synthetic, text (select with data=synthetic or data=text)")
+        _need(
+            self.kind in ("synthetic", "text"),
+            "data.kind",
+            self.kind,
+            "one of synthetic, text (select with data=synthetic or data=text)",
+        )
         _need(self.vocab_size >= 8, "data.vocab_size", self.vocab_size, "an integer >= 8")
         _need(self.seq_len >= 4, "data.seq_len", self.seq_len, "an integer >= 4")
         _need(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
-        _need(_finite(self.mask_prob) and 0 < self.mask_prob < 1, "data.mask_prob", self.mask_prob, "in (0, 1)")
+        _need(
+            _finite(self.mask_prob) and 0 < self.mask_prob < 1,
+            "data.mask_prob",
+            self.mask_prob,
+            "in (0, 1)",
+        )
         _need(self.branching >= 1, "data.branching", self.branching, "an integer >= 1")
         if self.kind == "text":
             if not self.path:
-                raise ConfigError("data.path is missing: data=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files)")
-            _need(self.vocab_size == 260, "data.vocab_size", self.vocab_size, "260 with data=text (byte-level tokenizer)")
+                raise ConfigError(
+                    "data.path is missing: data=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files)"
+                )
+            _need(
+                self.vocab_size == 260,
+                "data.vocab_size",
+                self.vocab_size,
+                "260 with data=text (byte-level tokenizer)",
+            )
 
 
 @dataclass(kw_only=True)
@@ -125,9 +152,19 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        _need(self.name in ("adamw", "adam", "sgd"), "optim.name", self.name, "one of adamw, adam, sgd")
+        _need(
+            self.name in ("adamw", "adam", "sgd"),
+            "optim.name",
+            self.name,
+            "one of adamw, adam, sgd",
+        )
         _need(_finite(self.lr) and self.lr > 0, "optim.lr", self.lr, "a number > 0")
-        _need(_finite(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        _need(
+            _finite(self.weight_decay) and self.weight_decay >= 0,
+            "optim.weight_decay",
+            self.weight_decay,
+            "a number >= 0",
+        )
         _need(
             len(self.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in self.betas),
             "optim.betas",
@@ -136,14 +173,25 @@ class OptimConfig:
         )
         _need(_finite(self.eps) and self.eps > 0, "optim.eps", self.eps, "a number > 0")
         _need(
-            self.clip_grad_norm is None or (_finite(self.clip_grad_norm) and self.clip_grad_norm > 0),
+            self.clip_grad_norm is None
+            or (_finite(self.clip_grad_norm) and self.clip_grad_norm > 0),
             "optim.clip_grad_norm",
             self.clip_grad_norm,
             "a number > 0, or null to disable clipping",
         )
-        _need(self.schedule in ("cosine", "linear", "constant"), "optim.schedule", self.schedule, "one of cosine, linear, constant")
+        _need(
+            self.schedule in ("cosine", "linear", "constant"),
+            "optim.schedule",
+            self.schedule,
+            "one of cosine, linear, constant",
+        )
         _need(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
-        _need(_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        _need(
+            _finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            "optim.min_lr_ratio",
+            self.min_lr_ratio,
+            "in [0, 1]",
+        )
 
 
 @dataclass(kw_only=True)
@@ -154,7 +202,12 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         from ampctl.amp.precision import PRECISIONS
 
-        _need(self.name in PRECISIONS, "precision.name", self.name, f"one of {', '.join(PRECISIONS)} (select with precision=NAME)")
+        _need(
+            self.name in PRECISIONS,
+            "precision.name",
+            self.name,
+            f"one of {', '.join(PRECISIONS)} (select with precision=NAME)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -171,16 +224,49 @@ class ScalerConfig:
     history_size: int = 1024
 
     def __post_init__(self) -> None:
-        _need(_finite(self.init_scale) and self.init_scale > 0, "scaler.init_scale", self.init_scale, "a number > 0")
-        _need(_finite(self.growth_factor) and self.growth_factor > 1, "scaler.growth_factor", self.growth_factor, "a number > 1")
         _need(
-            _finite(self.backoff_factor) and 0 < self.backoff_factor < 1, "scaler.backoff_factor", self.backoff_factor, "in (0, 1)"
+            _finite(self.init_scale) and self.init_scale > 0,
+            "scaler.init_scale",
+            self.init_scale,
+            "a number > 0",
         )
-        _need(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, "an integer >= 1")
+        _need(
+            _finite(self.growth_factor) and self.growth_factor > 1,
+            "scaler.growth_factor",
+            self.growth_factor,
+            "a number > 1",
+        )
+        _need(
+            _finite(self.backoff_factor) and 0 < self.backoff_factor < 1,
+            "scaler.backoff_factor",
+            self.backoff_factor,
+            "in (0, 1)",
+        )
+        _need(
+            self.growth_interval >= 1,
+            "scaler.growth_interval",
+            self.growth_interval,
+            "an integer >= 1",
+        )
         _need(self.hysteresis >= 1, "scaler.hysteresis", self.hysteresis, "an integer >= 1")
-        _need(_finite(self.min_scale) and self.min_scale > 0, "scaler.min_scale", self.min_scale, "a number > 0")
-        _need(_finite(self.max_scale) and self.max_scale > 0, "scaler.max_scale", self.max_scale, "a number > 0")
-        _need(self.min_scale <= self.max_scale, "scaler.min_scale", self.min_scale, f"<= scaler.max_scale ({self.max_scale})")
+        _need(
+            _finite(self.min_scale) and self.min_scale > 0,
+            "scaler.min_scale",
+            self.min_scale,
+            "a number > 0",
+        )
+        _need(
+            _finite(self.max_scale) and self.max_scale > 0,
+            "scaler.max_scale",
+            self.max_scale,
+            "a number > 0",
+        )
+        _need(
+            self.min_scale <= self.max_scale,
+            "scaler.min_scale",
+            self.min_scale,
+            f"<= scaler.max_scale ({self.max_scale})",
+        )
         _need(self.history_size >= 1, "scaler.history_size", self.history_size, "an integer >= 1")
 
 
@@ -206,8 +292,18 @@ class GuardConfig:
     def __post_init__(self) -> None:
         from ampctl.amp.precision import PRECISIONS
 
-        _need(self.attribution_limit >= 1, "guard.attribution_limit", self.attribution_limit, "an integer >= 1")
-        _need(self.rollback_after >= 0, "guard.rollback_after", self.rollback_after, "an integer >= 0 (0 disables rollback)")
+        _need(
+            self.attribution_limit >= 1,
+            "guard.attribution_limit",
+            self.attribution_limit,
+            "an integer >= 1",
+        )
+        _need(
+            self.rollback_after >= 0,
+            "guard.rollback_after",
+            self.rollback_after,
+            "an integer >= 0 (0 disables rollback)",
+        )
         _need(
             _finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
             "guard.rollback_backoff",
@@ -215,7 +311,12 @@ class GuardConfig:
             "in (0, 1]",
         )
         _need(self.max_rollbacks >= 0, "guard.max_rollbacks", self.max_rollbacks, "an integer >= 0")
-        _need(_finite(self.skip_budget) and 0 < self.skip_budget <= 1, "guard.skip_budget", self.skip_budget, "in (0, 1]")
+        _need(
+            _finite(self.skip_budget) and 0 < self.skip_budget <= 1,
+            "guard.skip_budget",
+            self.skip_budget,
+            "in (0, 1]",
+        )
         _need(self.skip_window >= 1, "guard.skip_window", self.skip_window, "an integer >= 1")
         _need(
             self.skip_action in ("rollback", "fallback", "abort", "warn"),
@@ -224,11 +325,21 @@ class GuardConfig:
             "one of rollback, fallback, abort, warn",
         )
         _need(
-            self.floor_policy in ("fallback", "abort", "warn"), "guard.floor_policy", self.floor_policy, "one of fallback, abort, warn"
+            self.floor_policy in ("fallback", "abort", "warn"),
+            "guard.floor_policy",
+            self.floor_policy,
+            "one of fallback, abort, warn",
         )
         bad = [p for p in self.fallback_chain if p not in PRECISIONS]
-        _need(not bad, "guard.fallback_chain", list(self.fallback_chain), f"a list of {', '.join(PRECISIONS)}")
-        _need(self.snapshot_every >= 1, "guard.snapshot_every", self.snapshot_every, "an integer >= 1")
+        _need(
+            not bad,
+            "guard.fallback_chain",
+            list(self.fallback_chain),
+            f"a list of {', '.join(PRECISIONS)}",
+        )
+        _need(
+            self.snapshot_every >= 1, "guard.snapshot_every", self.snapshot_every, "an integer >= 1"
+        )
 
 
 @dataclass(kw_only=True)
@@ -306,7 +417,9 @@ def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -
     if config_dir is not None:
         cdir = Path(config_dir).expanduser()
         if not cdir.is_dir():
-            raise ConfigError(f"--config-dir {str(config_dir)!r} is not a folder: give a folder of YAML configs")
+            raise ConfigError(
+                f"--config-dir {str(config_dir)!r} is not a folder: give a folder of YAML configs"
+            )
     search = create_config_search_path(None)
     search.prepend("ampctl", f"file://{packaged_conf_dir()}")
     if config_dir is not None:
@@ -320,9 +433,13 @@ def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -
     gh.clear()
     try:
         hydra = Hydra.create_main_hydra2(task_name="ampctl", config_search_path=search)
-        cfg = hydra.compose_config(preset, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+        cfg = hydra.compose_config(
+            preset, overrides, run_mode=RunMode.RUN, with_log_configuration=False
+        )
     except OverrideParseException as e:
-        raise ConfigError(f"cannot parse override: {_first_line(e)} (use key=value, +key=value or ~key)") from None
+        raise ConfigError(
+            f"cannot parse override: {_first_line(e)} (use key=value, +key=value or ~key)"
+        ) from None
     except MissingConfigException as e:
         raise ConfigError(_missing_option_message(e, overrides, config_dir)) from None
     except ConfigCompositionException as e:
@@ -394,7 +511,7 @@ def _did_you_mean(key: str) -> str:
 
 def _allowed_keys(prefix: str) -> list[str]:
     p = prefix + "." if prefix else ""
-    return sorted({k[len(p):].split(".")[0] for k in _all_keys() if k.startswith(p)})
+    return sorted({k[len(p) :].split(".")[0] for k in _all_keys() if k.startswith(p)})
 
 
 def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
@@ -404,7 +521,9 @@ def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
         raw_cfg = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
         for key in ("trainer", "data", "optim", "precision", "scaler", "guard", "logging"):
             if key in raw_cfg and not isinstance(raw_cfg[key], DictConfig | dict):
-                raise ConfigError(f"{key}: expected a group of keys, got {_show(OmegaConf.to_container(raw_cfg)[key])}")
+                raise ConfigError(
+                    f"{key}: expected a group of keys, got {_show(OmegaConf.to_container(raw_cfg)[key])}"
+                )
         merged = OmegaConf.merge(schema, raw_cfg)
         OmegaConf.resolve(merged)
         obj = OmegaConf.to_object(merged)
@@ -422,21 +541,30 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or ""
     text = getattr(e, "msg", None) or str(e)
     text = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    if "not in struct" in text or "Key '" in text and "not found" in text or "ConfigKeyError" in type(e).__name__:
+    if (
+        "not in struct" in text
+        or "Key '" in text
+        and "not found" in text
+        or "ConfigKeyError" in type(e).__name__
+    ):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         where = f" under {parent}" if parent else ""
         allowed = ", ".join(_allowed_keys(parent))
         return f"unknown key '{key}'{_did_you_mean(key)}; allowed keys{where}: {allowed}"
     m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", text)
     if m:
-        kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(m.group(2), m.group(2))
+        kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(
+            m.group(2), m.group(2)
+        )
         return f"{key}={m.group(1)}: wrong type, {key} must be {kind}"
     if "Interpolation" in text or "interpolation" in text:
         return f"{key}: {text}"
     return f"{key}: {text}" if key else text
 
 
-def load_config(overrides: list[str] | None = None, config_dir: str | Path | None = None) -> RunConfig:
+def load_config(
+    overrides: list[str] | None = None, config_dir: str | Path | None = None
+) -> RunConfig:
     """Compose ``conf/`` with Hydra overrides and validate. Raises :class:`ConfigError`."""
     preset, rest = split_overrides(list(overrides or []))
     composed = _compose(preset, rest, config_dir)
@@ -457,7 +585,9 @@ def _compose_free_overrides(base: DictConfig, overrides: list[str]) -> DictConfi
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException as e:
-        raise ConfigError(f"cannot parse override: {_first_line(e)} (use key=value, +key=value or ~key)") from None
+        raise ConfigError(
+            f"cannot parse override: {_first_line(e)} (use key=value, +key=value or ~key)"
+        ) from None
     cfg = copy_cfg(base)
     for o in parsed:
         key = o.key_or_group
@@ -470,13 +600,17 @@ def _compose_free_overrides(base: DictConfig, overrides: list[str]) -> DictConfi
                 del node[leaf]
             continue
         if o.is_sweep_override():
-            raise ConfigError(f"{key}: a sweep ({o.input_line}) is only allowed in `ampctl sweep-scale`")
+            raise ConfigError(
+                f"{key}: a sweep ({o.input_line}) is only allowed in `ampctl sweep-scale`"
+            )
         value = o.value()
         if OmegaConf.select(cfg, key) is None and not o.is_add() and "." in key:
             parent = key.rpartition(".")[0]
             node = OmegaConf.select(cfg, parent)
             if node is None or key.rpartition(".")[2] not in node:
-                raise ConfigError(f"unknown key '{key}'{_did_you_mean(key)} (to add a new key use +{key}=VALUE)")
+                raise ConfigError(
+                    f"unknown key '{key}'{_did_you_mean(key)} (to add a new key use +{key}=VALUE)"
+                )
         with open_dict(cfg):
             OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     return cfg

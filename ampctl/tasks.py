@@ -45,7 +45,9 @@ def run_train(
         ck = load_checkpoint(resume)
         preset, rest = split_overrides(overrides)
         if preset != "config":
-            raise ConfigError("conf= cannot be combined with --resume: the run keeps the config it was started with")
+            raise ConfigError(
+                "conf= cannot be combined with --resume: the run keeps the config it was started with"
+            )
         cfg = resume_config(ck, rest)
     else:
         cfg = load_config(overrides, config_dir)
@@ -56,10 +58,14 @@ def run_train(
     if ck is not None:
         run_dir = Path(ck["path"]).resolve().parent.parent
         if name is not None:
-            raise ConfigError("--name cannot be combined with --resume: the run continues in its own folder")
+            raise ConfigError(
+                "--name cannot be combined with --resume: the run continues in its own folder"
+            )
     else:
         run_dir = new_run_dir(cfg.trainer.runs_dir, name or cfg.name, preset)
-    display = Display(cfg.trainer.max_steps, mode=mode, console=console, title=f"ampctl train - {run_dir.name}")
+    display = Display(
+        cfg.trainer.max_steps, mode=mode, console=console, title=f"ampctl train - {run_dir.name}"
+    )
     try:
         trainer = Trainer(cfg, run_dir, display=display, resume=ck)
     except BaseException:
@@ -76,9 +82,15 @@ def run_train(
     if result.status == "aborted":
         console.print(
             "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
-            "`ampctl diagnose " + str(run_dir) + "`, precision=bf16, a lower optim.lr, or scaler.init_scale lower.",
+            "`ampctl diagnose "
+            + str(run_dir)
+            + "`, precision=bf16, a lower optim.lr, or scaler.init_scale lower.",
             highlight=False,
         )
     elif result.status == "interrupted":
-        console.print(f"Interrupted. Resume with: ampctl train --resume {run_dir}", highlight=False, markup=False)
+        console.print(
+            f"Interrupted. Resume with: ampctl train --resume {run_dir}",
+            highlight=False,
+            markup=False,
+        )
     return result.exit_code

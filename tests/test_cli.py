@@ -42,24 +42,42 @@ def train_args(runs, *extra):
 @pytest.mark.parametrize(
     "override, fragments",
     [
-        ("scaler.init_scal=3", ["unknown key 'scaler.init_scal'", "did you mean 'scaler.init_scale'"]),
+        (
+            "scaler.init_scal=3",
+            ["unknown key 'scaler.init_scal'", "did you mean 'scaler.init_scale'"],
+        ),
         ("trainer.max_step=3", ["did you mean 'trainer.max_steps'"]),
-        ("trainer.max_steps=abc", ["trainer.max_steps=abc: wrong type, trainer.max_steps must be an integer"]),
-        ("scaler.init_scale=0", ["scaler.init_scale=0.0 is not allowed: scaler.init_scale must be a number > 0"]),
+        (
+            "trainer.max_steps=abc",
+            ["trainer.max_steps=abc: wrong type, trainer.max_steps must be an integer"],
+        ),
+        (
+            "scaler.init_scale=0",
+            ["scaler.init_scale=0.0 is not allowed: scaler.init_scale must be a number > 0"],
+        ),
         ("scaler.init_scale=-5", ["scaler.init_scale must be a number > 0"]),
         ("scaler.growth_factor=1", ["scaler.growth_factor must be a number > 1"]),
         ("scaler.backoff_factor=1.5", ["scaler.backoff_factor must be in (0, 1)"]),
         ("scaler.backoff_factor=0", ["scaler.backoff_factor must be in (0, 1)"]),
         ("scaler.growth_interval=0", ["scaler.growth_interval must be an integer >= 1"]),
         ("scaler.hysteresis=0", ["scaler.hysteresis must be an integer >= 1"]),
-        ("scaler.min_scale=1e9", ["scaler.min_scale=1000000000.0 is not allowed", "<= scaler.max_scale"]),
+        (
+            "scaler.min_scale=1e9",
+            ["scaler.min_scale=1000000000.0 is not allowed", "<= scaler.max_scale"],
+        ),
         ("optim.lr=-0.1", ["optim.lr must be a number > 0"]),
         ("trainer.max_steps=0", ["trainer.max_steps must be an integer >= 1"]),
         ("conf=nope", ["conf=nope: no such preset; available: bert_base, bert_large, config"]),
-        ("precision=fp8", ["precision=fp8: no such option; precision can be one of bf16, fp16, fp16-pure, fp32"]),
+        (
+            "precision=fp8",
+            ["precision=fp8: no such option; precision can be one of bf16, fp16, fp16-pure, fp32"],
+        ),
         ("optim=lamb", ["optim=lamb: no such option; optim can be one of adamw, sgd"]),
         ("data=text", ["data.path is missing: data=text needs data.path=FILE_OR_DIR"]),
-        ("model._target_=no.such.Model", ["model._target_='no.such.Model': cannot import module 'no.such'"]),
+        (
+            "model._target_=no.such.Model",
+            ["model._target_='no.such.Model': cannot import module 'no.such'"],
+        ),
         ("model._target_=collections.OrderedDict", ["returned OrderedDict, not a torch.nn.Module"]),
         ("trainer.device=tpu", ["trainer.device must be one of auto, cpu, cuda, cuda:N"]),
         ("+foo=1", ["unknown key 'foo'"]),
@@ -72,10 +90,19 @@ def test_bad_overrides(runs, override, fragments):
 
 
 def test_missing_and_empty_data_path(runs, tmp_path):
-    assert_bad(run(*train_args(runs, "data=text", "data.vocab_size=260", f"data.path={tmp_path / 'none.txt'}")), "does not exist")
+    assert_bad(
+        run(
+            *train_args(
+                runs, "data=text", "data.vocab_size=260", f"data.path={tmp_path / 'none.txt'}"
+            )
+        ),
+        "does not exist",
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_bad(run(*train_args(runs, "data=text", "data.vocab_size=260", f"data.path={empty}")), str(empty))
+    assert_bad(
+        run(*train_args(runs, "data=text", "data.vocab_size=260", f"data.path={empty}")), str(empty)
+    )
 
 
 class NoLoss(torch.nn.Module):
@@ -145,7 +172,10 @@ def test_truncated_and_incompatible_checkpoints(runs, tmp_path):
     (cut / "step_00000012.pt").write_bytes(data[: len(data) // 2])
     assert_bad(run("train", "--resume", str(cut / "step_00000012.pt")), "truncated or corrupt")
     # a checkpoint from another model: resume with a different hidden size
-    assert_bad(run("train", "--resume", str(ck), "model.hidden_size=48"), "does not fit the configured model")
+    assert_bad(
+        run("train", "--resume", str(ck), "model.hidden_size=48"),
+        "does not fit the configured model",
+    )
     assert sorted((runs / "src" / "checkpoints").glob("step_*.pt"))[-1].read_bytes() == data
 
 
@@ -154,9 +184,18 @@ def test_print_config_shows_the_seed_settings_for_bert_large():
     assert res.exit_code == 0
     out = res.stdout
     for line in [
-        "num_layers: 24", "hidden_size: 1024", "num_heads: 16", "ffn_size: 4096", "vocab_size: 30522",
-        "seq_len: 512", "batch_size: 64", "lr: 0.0001", "clip_grad_norm: 1.0", "init_scale: 1024.0",
-        "growth_interval: 500", "- '*embeddings*'",
+        "num_layers: 24",
+        "hidden_size: 1024",
+        "num_heads: 16",
+        "ffn_size: 4096",
+        "vocab_size: 30522",
+        "seq_len: 512",
+        "batch_size: 64",
+        "lr: 0.0001",
+        "clip_grad_norm: 1.0",
+        "init_scale: 1024.0",
+        "growth_interval: 500",
+        "- '*embeddings*'",
     ]:
         assert line in out, line
 

@@ -101,19 +101,35 @@ def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
     assert rows[-1]["skipped"] == 1 and rows[-1]["forward_overflows"] == 1
     assert rows[-1]["scale"] == 1024.0  # a forward overflow does not back off the scale
     # the rest of the model still runs in fp16
-    tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "p2"), resume=__import__("ampctl.train.checkpoint", fromlist=["x"]).load_checkpoint(res.run_dir))
+    tr = Trainer(
+        cfg,
+        new_run_dir(cfg.trainer.runs_dir, "p2"),
+        resume=__import__("ampctl.train.checkpoint", fromlist=["x"]).load_checkpoint(res.run_dir),
+    )
     assert tr.policy.exempted == ["amp"]
     batch = tr.data.batch_at(0)
-    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: fwd_dtypes.__setitem__(n, o.dtype)) for n, m in tr.model.named_modules() if n in ("amp", "bert_mlm.bert.encoder.layer.0.intermediate.dense")]
+    hooks = [
+        m.register_forward_hook(lambda mod, i, o, n=n: fwd_dtypes.__setitem__(n, o.dtype))
+        for n, m in tr.model.named_modules()
+        if n in ("amp", "bert_mlm.bert.encoder.layer.0.intermediate.dense")
+    ]
     with tr.policy.autocast():
         tr.model(**batch)
     for h in hooks:
         h.remove()
-    assert fwd_dtypes == {"amp": torch.float32, "bert_mlm.bert.encoder.layer.0.intermediate.dense": torch.float16}
+    assert fwd_dtypes == {
+        "amp": torch.float32,
+        "bert_mlm.bert.encoder.layer.0.intermediate.dense": torch.float16,
+    }
 
 
 def test_consecutive_gradient_overflows_roll_back_then_fall_back(fast_cfg):
-    cfg = fast_cfg("guard.rollback_after=3", "guard.max_rollbacks=2", "trainer.max_steps=16", "guard.snapshot_every=2")
+    cfg = fast_cfg(
+        "guard.rollback_after=3",
+        "guard.max_rollbacks=2",
+        "trainer.max_steps=16",
+        "guard.snapshot_every=2",
+    )
     calls = {"n": 0, "weights_finite": True}
 
     def fault(tr, step, phase):
@@ -128,13 +144,21 @@ def test_consecutive_gradient_overflows_roll_back_then_fall_back(fast_cfg):
     assert kinds.index("fallback") > max(i for i, k in enumerate(kinds) if k == "rollback")
     assert res.summary["precision"] == "bf16" and res.status == "ok" and res.summary["steps"] == 16
     assert calls["weights_finite"]
-    assert all(torch.isfinite(p).all() for p in Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "chk")).params)
+    assert all(
+        torch.isfinite(p).all()
+        for p in Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "chk")).params
+    )
     rows = read_jsonl(res.run_dir / "metrics.jsonl")
     assert math.isfinite(rows[-1]["loss"])
 
 
 def test_abort_policy_exits_with_a_clear_message(fast_cfg):
-    cfg = fast_cfg("guard.floor_policy=abort", "scaler.init_scale=1", "scaler.min_scale=1", "guard.rollback_after=0")
+    cfg = fast_cfg(
+        "guard.floor_policy=abort",
+        "scaler.init_scale=1",
+        "scaler.min_scale=1",
+        "guard.rollback_after=0",
+    )
 
     def fault(tr, step, phase):
         if step >= 3:
@@ -160,11 +184,21 @@ def test_clean_run_has_no_events_and_no_extra_host_reads(fast_cfg):
 
 
 def test_locator_ignores_intentional_minus_inf_masks():
-    model = BertForMaskedLM(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, ffn_size=64, max_position=16, dropout=0.0)
+    model = BertForMaskedLM(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        ffn_size=64,
+        max_position=16,
+        dropout=0.0,
+    )
     ids = torch.randint(4, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.bool)
     mask[:, 10:] = False  # padding: the eager attention fills -inf there
     with torch.autocast("cpu", dtype=torch.float16):
-        traces, back = trace_modules(model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids).loss, backward=True)
+        traces, back = trace_modules(
+            model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids).loss, backward=True
+        )
     assert first_bad(traces) is None and first_bad(back) is None
     assert len(traces) > 5 and len(back) > 5

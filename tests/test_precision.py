@@ -70,7 +70,12 @@ def test_match_modules_keeps_outermost_only():
 
 @pytest.mark.parametrize(
     "name, dtype, scaler",
-    [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("fp16", torch.float16, True), ("fp16-pure", torch.float16, True)],
+    [
+        ("fp32", torch.float32, False),
+        ("bf16", torch.bfloat16, False),
+        ("fp16", torch.float16, True),
+        ("fp16-pure", torch.float16, True),
+    ],
 )
 def test_policy_properties(name, dtype, scaler):
     p = PrecisionPolicy(name=name)
@@ -79,7 +84,9 @@ def test_policy_properties(name, dtype, scaler):
 
 
 def test_unknown_precision_is_refused():
-    with pytest.raises(ValueError, match="precision: 'fp8' is not one of fp32, bf16, fp16, fp16-pure"):
+    with pytest.raises(
+        ValueError, match="precision: 'fp8' is not one of fp32, bf16, fp16, fp16-pure"
+    ):
         PrecisionPolicy(name="fp8")
 
 
@@ -114,7 +121,12 @@ def test_fp16_pure_trains_with_fp32_masters_and_skips_overflow():
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     # the fp16 model holds the rounded masters
-    torch.testing.assert_close(model.dense.weight.float(), dict(policy.master.named_params())["dense.weight"].detach(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        model.dense.weight.float(),
+        dict(policy.master.named_params())["dense.weight"].detach(),
+        atol=1e-3,
+        rtol=1e-3,
+    )
 
 
 def test_fp16_pure_promotion_turns_module_to_fp32():

@@ -35,14 +35,19 @@ def _plant(model: nn.Module, value: float) -> None:
 
 
 def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [
+        v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_parity_with_gradscaler_on_planted_overflows(seed):
     rng = random.Random(seed)
     steps = 60
-    planted = {s: rng.choice([float("inf"), float("nan"), -float("inf")]) for s in rng.sample(range(steps), 12)}
+    planted = {
+        s: rng.choice([float("inf"), float("nan"), -float("inf")])
+        for s in rng.sample(range(steps), 12)
+    }
     kw = dict(init_scale=2.0**14, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
     ref_model, our_model = _model(seed), _model(seed)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
@@ -62,7 +67,9 @@ def test_parity_with_gradscaler_on_planted_overflows(seed):
             before = [p.detach().clone() for p in model.parameters()]
             scaler.step(opt)
             scaler.update()
-            skips.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)))
+            skips.append(
+                all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+            )
             scales.append(scaler.get_scale())
     assert our_scales == ref_scales
     assert our_skips == ref_skips
@@ -114,9 +121,13 @@ def test_skipped_step_leaves_weights_and_adam_state_untouched_and_grads_unscaled
         assert scaler.last_step_skipped
         assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
         after = _state_tensors(opt)
-        assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(state, after, strict=True))
+        assert len(after) == len(state) and all(
+            torch.equal(a, b) for a, b in zip(state, after, strict=True)
+        )
         assert scaler.get_scale() == 512.0
-        if not fused:  # the standard path unscales, like GradScaler; fused leaves grads to the kernel
+        if (
+            not fused
+        ):  # the standard path unscales, like GradScaler; fused leaves grads to the kernel
             torch.testing.assert_close(model[2].weight.grad, scaled / 1024.0)
 
 
@@ -124,7 +135,14 @@ def test_hysteresis_backs_off_on_the_nth_overflow_and_refills_on_growth():
     scale = torch.tensor(1024.0)
     gt = torch.tensor(0, dtype=torch.int32)
     ht = torch.tensor(3, dtype=torch.int32)
-    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, hysteresis=3, min_scale=1.0, max_scale=2.0**24)
+    kw = dict(
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2,
+        hysteresis=3,
+        min_scale=1.0,
+        max_scale=2.0**24,
+    )
     t, f = torch.tensor(True), torch.tensor(False)
     seq = []
     for overflow in [True, True, True, True, False, False, True]:
@@ -197,7 +215,9 @@ def test_forward_overflow_skips_without_backing_off():
     _plant(model, float("inf"))
     scaler.step(opt)
     scaler.update()
-    assert scaler.get_scale() == 512.0 and scaler.forward_overflows == 1 and scaler.skipped_steps == 2
+    assert (
+        scaler.get_scale() == 512.0 and scaler.forward_overflows == 1 and scaler.skipped_steps == 2
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -320,7 +340,10 @@ def test_loads_a_gradscaler_state_dict():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"init_scale": 0.0}, "init_scale=0.0 is not allowed; init_scale must be a finite number > 0"),
+        (
+            {"init_scale": 0.0},
+            "init_scale=0.0 is not allowed; init_scale must be a finite number > 0",
+        ),
         ({"init_scale": float("inf")}, "init_scale must be a finite number > 0"),
         ({"growth_factor": 1.0}, "growth_factor must be > 1"),
         ({"backoff_factor": 1.0}, "backoff_factor must be in (0, 1)"),
@@ -342,15 +365,21 @@ def test_call_order_errors_say_the_fix():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler()
-    with pytest.raises(RuntimeError, match=r"before scale\(\): call scaler.scale\(loss\).backward\(\) first"):
+    with pytest.raises(
+        RuntimeError, match=r"before scale\(\): call scaler.scale\(loss\).backward\(\) first"
+    ):
         scaler.step(opt)
     x, y = _batches(1)[0]
     scaler.scale(_loss(model, x, y)).backward()
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"already called for this optimizer in this step: call it once per step"):
+    with pytest.raises(
+        RuntimeError, match=r"already called for this optimizer in this step: call it once per step"
+    ):
         scaler.unscale_(opt)
     scaler.step(opt)
-    with pytest.raises(RuntimeError, match=r"step\(\) was already called .* call update\(\) after step\(\)"):
+    with pytest.raises(
+        RuntimeError, match=r"step\(\) was already called .* call update\(\) after step\(\)"
+    ):
         scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"unscale_\(\) was called after step\(\)"):
         scaler.unscale_(opt)
@@ -396,4 +425,10 @@ def test_gradscaler_can_be_swapped_out_in_a_user_loop():
             scaler.step(opt)
             scaler.update()
         assert scaler.is_enabled() and scaler.get_scale() > 0
-        assert set(scaler.state_dict()) >= {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+        assert set(scaler.state_dict()) >= {
+            "scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "_growth_tracker",
+        }

@@ -14,8 +14,19 @@ from ampctl.train.run import new_run_dir
 from tests.conftest import read_jsonl
 
 METRIC_KEYS = {
-    "step", "loss", "scale", "skipped", "overflow_rate", "grad_norm", "grad_amax",
-    "grad_underflow_frac", "nonfinite_grads", "lr", "precision", "tokens_per_s", "elapsed_s",
+    "step",
+    "loss",
+    "scale",
+    "skipped",
+    "overflow_rate",
+    "grad_norm",
+    "grad_amax",
+    "grad_underflow_frac",
+    "nonfinite_grads",
+    "lr",
+    "precision",
+    "tokens_per_s",
+    "elapsed_s",
 }
 
 
@@ -34,9 +45,20 @@ def test_run_folder_has_everything(fast_cfg):
     assert [r["step"] for r in rows] == [4, 8, 12]
     assert METRIC_KEYS <= set(rows[0])
     assert all(math.isfinite(r["loss"]) for r in rows)
-    assert [p.name for p in list_checkpoints(d / "checkpoints")] == ["step_00000006.pt", "step_00000012.pt"]
+    assert [p.name for p in list_checkpoints(d / "checkpoints")] == [
+        "step_00000006.pt",
+        "step_00000012.pt",
+    ]
     ck = load_checkpoint(d)
-    assert ck["step"] == 12 and {"model", "optimizer", "scaler", "scheduler", "rng", "data", "config"} <= set(ck)
+    assert ck["step"] == 12 and {
+        "model",
+        "optimizer",
+        "scaler",
+        "scheduler",
+        "rng",
+        "data",
+        "config",
+    } <= set(ck)
     assert ck["data"] == {"position": 12}
     s = res.summary
     assert s["steps"] == 12 and s["skipped"] == 0 and s["final_scale"] == 1024.0
@@ -48,7 +70,9 @@ def test_existing_run_folder_is_never_overwritten(fast_cfg):
     cfg = fast_cfg()
     d = new_run_dir(cfg.trainer.runs_dir, "same")
     (d / "keep.txt").write_text("precious")
-    with pytest.raises(RunExistsError, match="exists already: pick another --name, or continue it with --resume"):
+    with pytest.raises(
+        RunExistsError, match="exists already: pick another --name, or continue it with --resume"
+    ):
         new_run_dir(cfg.trainer.runs_dir, "same")
     assert (d / "keep.txt").read_text() == "precious"
     a, b = new_run_dir(cfg.trainer.runs_dir, None), new_run_dir(cfg.trainer.runs_dir, None)
@@ -62,7 +86,9 @@ def test_resume_gives_identical_losses(fast_cfg):
     part_dir = first.run_dir
     (part_dir / "checkpoints" / "step_00000012.pt").unlink()
     rows = [r for r in read_jsonl(part_dir / "metrics.jsonl") if r["step"] <= 6]
-    (part_dir / "metrics.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    (part_dir / "metrics.jsonl").write_text(
+        "".join(__import__("json").dumps(r) + "\n" for r in rows)
+    )
     ck = load_checkpoint(part_dir)
     assert ck["step"] == 6
     res = train(fast_cfg("trainer.max_steps=12"), part_dir, resume=part_dir)
@@ -97,7 +123,12 @@ def test_planted_gradient_overflow_is_skipped_attributed_and_logged(fast_cfg):
 
 def test_lr_schedule_does_not_advance_on_skipped_steps(fast_cfg):
     def lrs(fault=None, **kw):
-        cfg = fast_cfg("guard.rollback_after=0", "optim.schedule=linear", "trainer.max_steps=8", "trainer.log_every=1")
+        cfg = fast_cfg(
+            "guard.rollback_after=0",
+            "optim.schedule=linear",
+            "trainer.max_steps=8",
+            "trainer.log_every=1",
+        )
         res = _run(cfg, name=f"lr{id(fault)}", fault=fault)
         return [r["lr"] for r in read_jsonl(res.run_dir / "metrics.jsonl")]
 
@@ -136,7 +167,9 @@ def test_grad_accumulation_and_fused_optimizer(fast_cfg):
 def test_host_reads_one_per_step_plus_log(fast_cfg):
     """Clean run: exactly one host read per step, plus the stats read at each log step."""
     for guard in ("default", "off"):
-        cfg = fast_cfg(f"guard={guard}", "trainer.max_steps=8", "trainer.log_every=4", "trainer.ckpt_every=100")
+        cfg = fast_cfg(
+            f"guard={guard}", "trainer.max_steps=8", "trainer.log_every=4", "trainer.ckpt_every=100"
+        )
         tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, f"h{guard}"))
         tr.take_snapshot()
         with count_host_reads() as reads:
@@ -156,5 +189,8 @@ def test_fused_optimizer_makes_no_host_read_per_step(fast_cfg):
 
 def test_keep_last_checkpoints(fast_cfg):
     res = _run(fast_cfg("trainer.max_steps=12", "trainer.ckpt_every=2", "trainer.keep_last=2"))
-    assert [p.name for p in list_checkpoints(res.run_dir / "checkpoints")] == ["step_00000010.pt", "step_00000012.pt"]
+    assert [p.name for p in list_checkpoints(res.run_dir / "checkpoints")] == [
+        "step_00000010.pt",
+        "step_00000012.pt",
+    ]
     assert latest_checkpoint(res.run_dir / "checkpoints").name == "step_00000012.pt"

@@ -18,7 +18,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Action", "Observation", "Decision", "GuardRules", "decide", "next_precision", "OverflowGuard"]
+__all__ = [
+    "Action",
+    "Observation",
+    "Decision",
+    "GuardRules",
+    "decide",
+    "next_precision",
+    "OverflowGuard",
+]
 
 
 class Action(enum.StrEnum):
@@ -81,7 +89,11 @@ def _fallback_or_abort(obs: Observation, rules: GuardRules, why: str) -> Decisio
             reason=f"{why}, and no precision is left after {obs.precision} in the fallback chain "
             f"{rules.fallback_chain}",
         )
-    return Decision(action=Action.FALLBACK, reason=f"{why}: falling back {obs.precision} -> {target}", precision=target)
+    return Decision(
+        action=Action.FALLBACK,
+        reason=f"{why}: falling back {obs.precision} -> {target}",
+        precision=target,
+    )
 
 
 def _act(action: str, obs: Observation, rules: GuardRules, why: str) -> Decision:
@@ -92,7 +104,9 @@ def _act(action: str, obs: Observation, rules: GuardRules, why: str) -> Decision
     if action == "warn":
         return Decision(action=Action.WARN, reason=why)
     if obs.rollbacks >= rules.max_rollbacks:
-        return _fallback_or_abort(obs, rules, f"{why}, after {obs.rollbacks} rollbacks at {obs.precision}")
+        return _fallback_or_abort(
+            obs, rules, f"{why}, after {obs.rollbacks} rollbacks at {obs.precision}"
+        )
     return Decision(action=Action.ROLLBACK, reason=why)
 
 
@@ -109,7 +123,10 @@ def decide(obs: Observation, rules: GuardRules) -> Decision:
     if rules.rollback_after > 0 and obs.consecutive >= rules.rollback_after:
         return _act("rollback", obs, rules, f"{obs.consecutive} consecutive overflows")
     # 4) skip budget: too many of the recent steps were wasted.
-    if obs.window_len >= rules.skip_window and obs.window_skips > rules.skip_budget * obs.window_len:
+    if (
+        obs.window_len >= rules.skip_window
+        and obs.window_skips > rules.skip_budget * obs.window_len
+    ):
         why = f"{obs.window_skips} of the last {obs.window_len} steps skipped (budget {rules.skip_budget:.0%})"
         return _act(rules.skip_action, obs, rules, why)
     # 5) an isolated overflow: the scaler's skip-and-back-off handles it.
@@ -126,7 +143,9 @@ class OverflowGuard:
         self.rollbacks = 0  # at the current precision
         self.counts: dict[str, int] = {}
 
-    def observe(self, *, step: int, skipped: bool, forward_overflow: bool, at_floor: bool, precision: str) -> Decision:
+    def observe(
+        self, *, step: int, skipped: bool, forward_overflow: bool, at_floor: bool, precision: str
+    ) -> Decision:
         self.window.append(bool(skipped))
         self.consecutive = self.consecutive + 1 if skipped else 0
         obs = Observation(

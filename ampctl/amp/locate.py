@@ -81,7 +81,13 @@ def trace_modules(
         for t in ts:
             t = t.detach()
             finite = torch.isfinite(t)
-            amax = torch.maximum(amax, torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=dev)).abs().max().float())
+            amax = torch.maximum(
+                amax,
+                torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=dev))
+                .abs()
+                .max()
+                .float(),
+            )
             nan = nan + torch.isnan(t).any().float()
             pos = pos + torch.isposinf(t).any().float()
             neg = neg + torch.isneginf(t).any().float()

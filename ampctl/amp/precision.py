@@ -44,7 +44,12 @@ FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # smallest normal
 FP16_SUBNORMAL = 2.0**-24  # smallest subnormal
 
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp16-pure": torch.float16}
+_COMPUTE = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp16-pure": torch.float16,
+}
 
 
 def dtype_max(dtype: torch.dtype) -> float:
@@ -175,7 +180,9 @@ class PrecisionPolicy:
         if self.name not in PRECISIONS:
             raise ValueError(f"precision: '{self.name}' is not one of {', '.join(PRECISIONS)}")
         if isinstance(self.fp32_modules, str):
-            raise ValueError("precision.fp32_modules must be a list of patterns, e.g. ['*embeddings*']")
+            raise ValueError(
+                "precision.fp32_modules must be a list of patterns, e.g. ['*embeddings*']"
+            )
         self.fp32_modules = list(self.fp32_modules)
         self.exempted: list[str] = []  # module names currently running in fp32
         self.master: MasterWeights | None = None

@@ -78,7 +78,9 @@ def next_scale(
     clean = ~(grad_overflow | forward_overflow)
 
     # 1) gradient overflow: use up one unit of hysteresis; back off once it is spent.
-    hyst_after = torch.where(grad_overflow, (hysteresis_tracker - 1).clamp_min(0), hysteresis_tracker)
+    hyst_after = torch.where(
+        grad_overflow, (hysteresis_tracker - 1).clamp_min(0), hysteresis_tracker
+    )
     backed_off = (scale.double() * backoff_factor).float()
     scale_1 = torch.where(grad_overflow & (hyst_after <= 0), backed_off, scale)
     # 2) forward overflow (non-finite loss): skipped, but the scale and both trackers stay.
@@ -89,7 +91,9 @@ def next_scale(
     grown = (scale.double() * growth_factor).float()
     scale_2 = torch.where(grow & torch.isfinite(grown), grown, scale_1)
     new_tracker = torch.where(
-        grad_overflow | grow, torch.zeros_like(growth_tracker), torch.where(clean, successful, growth_tracker)
+        grad_overflow | grow,
+        torch.zeros_like(growth_tracker),
+        torch.where(clean, successful, growth_tracker),
     )
     new_hyst = torch.where(grow, torch.full_like(hysteresis_tracker, hysteresis), hyst_after)
     # 4) bounds.
@@ -133,18 +137,35 @@ class LossScaler:
         history_size: int = 1024,
     ) -> None:
         _check_range("init_scale", init_scale, _finite_pos(init_scale), "a finite number > 0")
-        _check_range("growth_factor", growth_factor, _finite(growth_factor) and growth_factor > 1, "> 1")
         _check_range(
-            "backoff_factor", backoff_factor, _finite(backoff_factor) and 0 < backoff_factor < 1, "in (0, 1)"
+            "growth_factor", growth_factor, _finite(growth_factor) and growth_factor > 1, "> 1"
         )
         _check_range(
-            "growth_interval", growth_interval, _is_int(growth_interval) and growth_interval >= 1, "an integer >= 1"
+            "backoff_factor",
+            backoff_factor,
+            _finite(backoff_factor) and 0 < backoff_factor < 1,
+            "in (0, 1)",
         )
-        _check_range("hysteresis", hysteresis, _is_int(hysteresis) and hysteresis >= 1, "an integer >= 1")
+        _check_range(
+            "growth_interval",
+            growth_interval,
+            _is_int(growth_interval) and growth_interval >= 1,
+            "an integer >= 1",
+        )
+        _check_range(
+            "hysteresis", hysteresis, _is_int(hysteresis) and hysteresis >= 1, "an integer >= 1"
+        )
         _check_range("min_scale", min_scale, _finite_pos(min_scale), "a finite number > 0")
         _check_range("max_scale", max_scale, _finite_pos(max_scale), "a finite number > 0")
-        _check_range("min_scale", min_scale, min_scale <= max_scale, f"<= max_scale ({max_scale!r})")
-        _check_range("history_size", history_size, _is_int(history_size) and history_size >= 1, "an integer >= 1")
+        _check_range(
+            "min_scale", min_scale, min_scale <= max_scale, f"<= max_scale ({max_scale!r})"
+        )
+        _check_range(
+            "history_size",
+            history_size,
+            _is_int(history_size) and history_size >= 1,
+            "an integer >= 1",
+        )
         self._enabled = bool(enabled)
         self._check_finite = bool(check_finite) or self._enabled
         self._growth_factor = float(growth_factor)
@@ -186,10 +207,18 @@ class LossScaler:
             i = self._init
             self._t = {
                 "scale": torch.full((), i["scale"], dtype=torch.float32, device=device),
-                "growth_tracker": torch.full((), i["growth_tracker"], dtype=torch.int32, device=device),
-                "hysteresis_tracker": torch.full((), i["hysteresis_tracker"], dtype=torch.int32, device=device),
-                "skipped_total": torch.full((), i["skipped_total"], dtype=torch.int64, device=device),
-                "forward_overflows": torch.full((), i["forward_overflows"], dtype=torch.int64, device=device),
+                "growth_tracker": torch.full(
+                    (), i["growth_tracker"], dtype=torch.int32, device=device
+                ),
+                "hysteresis_tracker": torch.full(
+                    (), i["hysteresis_tracker"], dtype=torch.int32, device=device
+                ),
+                "skipped_total": torch.full(
+                    (), i["skipped_total"], dtype=torch.int64, device=device
+                ),
+                "forward_overflows": torch.full(
+                    (), i["forward_overflows"], dtype=torch.int64, device=device
+                ),
                 "consecutive_overflows": torch.full(
                     (), i["consecutive_overflows"], dtype=torch.int64, device=device
                 ),
@@ -322,7 +351,9 @@ class LossScaler:
         if not self._check_finite:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("LossScaler.step: closures are not supported; compute the loss before step().")
+            raise RuntimeError(
+                "LossScaler.step: closures are not supported; compute the loss before step()."
+            )
         t = self._require_init("step")
         st = self._per_opt[id(optimizer)]
         if st["stage"] is OptState.STEPPED:
@@ -330,7 +361,10 @@ class LossScaler:
                 "LossScaler.step() was already called for this optimizer in this step: call "
                 "update() after step(), once per iteration."
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and "grad_scaler" not in inspect.signature(optimizer.step).parameters:
+        if (
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+            and "grad_scaler" not in inspect.signature(optimizer.step).parameters
+        ):
             if st["stage"] is OptState.READY:
                 one = torch.ones((), dtype=torch.float32, device=t["scale"].device)
                 found = torch.zeros((), dtype=torch.float32, device=t["scale"].device)
@@ -384,7 +418,9 @@ class LossScaler:
         skipped_b = (flags[0] > 0) | fwd
         used_scale = t["scale"].clone()
         if new_scale is not None and self._enabled:
-            value = new_scale if isinstance(new_scale, torch.Tensor) else torch.tensor(float(new_scale))
+            value = (
+                new_scale if isinstance(new_scale, torch.Tensor) else torch.tensor(float(new_scale))
+            )
             t["scale"].copy_(value.to(dev, torch.float32).clamp(self._min_scale, self._max_scale))
         elif self._enabled:
             s, g, h = next_scale(
@@ -449,11 +485,18 @@ class LossScaler:
         self._growth_factor = float(new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        _check_range("backoff_factor", new_factor, _finite(new_factor) and 0 < new_factor < 1, "in (0, 1)")
+        _check_range(
+            "backoff_factor", new_factor, _finite(new_factor) and 0 < new_factor < 1, "in (0, 1)"
+        )
         self._backoff_factor = float(new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        _check_range("growth_interval", new_interval, _is_int(new_interval) and new_interval >= 1, "an integer >= 1")
+        _check_range(
+            "growth_interval",
+            new_interval,
+            _is_int(new_interval) and new_interval >= 1,
+            "an integer >= 1",
+        )
         self._growth_interval = int(new_interval)
 
     @property
@@ -478,7 +521,16 @@ class LossScaler:
         """The device tensors behind the counters (scale, skipped_total, forward_overflows,
         consecutive_overflows, last_skipped). No host read; do not modify them."""
         t = self._require_init("device_counters")
-        return {k: t[k] for k in ("scale", "skipped_total", "forward_overflows", "consecutive_overflows", "last_skipped")}
+        return {
+            k: t[k]
+            for k in (
+                "scale",
+                "skipped_total",
+                "forward_overflows",
+                "consecutive_overflows",
+                "last_skipped",
+            )
+        }
 
     def recent_skips(self, window: int) -> torch.Tensor:
         """Number of skipped steps among the last ``window`` recorded ones (device tensor, no
@@ -488,7 +540,9 @@ class LossScaler:
         if n == 0:
             return torch.zeros((), dtype=torch.float64, device=t["scale"].device)
         dev = t["history"].device
-        idx = torch.arange(self._num_updates - n, self._num_updates, device=dev) % self._history_size
+        idx = (
+            torch.arange(self._num_updates - n, self._num_updates, device=dev) % self._history_size
+        )
         return t["history"][idx, 2].sum()
 
     # ------------------------------------------------------------------ observed skips
@@ -536,7 +590,12 @@ class LossScaler:
         if self._t is None:
             vals = [float(self._init["scale"])] + [
                 float(self._init[k])
-                for k in ("skipped_total", "forward_overflows", "consecutive_overflows", "last_skipped")
+                for k in (
+                    "skipped_total",
+                    "forward_overflows",
+                    "consecutive_overflows",
+                    "last_skipped",
+                )
             ]
         else:
             t = self._t
@@ -568,8 +627,13 @@ class LossScaler:
             vals = {k: v for k, v in self._init.items() if k != "history"}
         else:
             names = [
-                "scale", "growth_tracker", "hysteresis_tracker", "skipped_total",
-                "forward_overflows", "consecutive_overflows", "last_skipped",
+                "scale",
+                "growth_tracker",
+                "hysteresis_tracker",
+                "skipped_total",
+                "forward_overflows",
+                "consecutive_overflows",
+                "last_skipped",
             ]
             read = torch.stack([self._t[k].double() for k in names]).tolist()
             vals = dict(zip(names, read, strict=True))
@@ -599,7 +663,17 @@ class LossScaler:
                 "LossScaler.load_state_dict: the state dict is empty (saved from a disabled "
                 "GradScaler?); nothing to restore."
             )
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker") if k not in state_dict]
+        missing = [
+            k
+            for k in (
+                "scale",
+                "growth_factor",
+                "backoff_factor",
+                "growth_interval",
+                "_growth_tracker",
+            )
+            if k not in state_dict
+        ]
         if missing:
             raise KeyError(f"LossScaler.load_state_dict: missing keys {missing}")
         self._growth_factor = float(state_dict["growth_factor"])

@@ -18,7 +18,9 @@ __all__ = ["grad_stats", "STAT_KEYS"]
 STAT_KEYS = ("grad_norm", "grad_amax", "grad_underflow", "grad_elems", "nonfinite_grads")
 
 
-def grad_stats(grads: Iterable[torch.Tensor], scale: torch.Tensor | float, device: torch.device) -> dict[str, torch.Tensor]:
+def grad_stats(
+    grads: Iterable[torch.Tensor], scale: torch.Tensor | float, device: torch.device
+) -> dict[str, torch.Tensor]:
     """Global L2 norm, max |g|, underflow count, element count and non-finite count.
 
     ``grads`` are *unscaled* gradients. An element counts as underflowed when it is zero or when,
@@ -27,7 +29,13 @@ def grad_stats(grads: Iterable[torch.Tensor], scale: torch.Tensor | float, devic
     No host read.
     """
     zero = torch.zeros((), dtype=torch.float32, device=device)
-    norm_sq, amax, under, elems, bad = zero.clone(), zero.clone(), zero.clone(), zero.clone(), zero.clone()
+    norm_sq, amax, under, elems, bad = (
+        zero.clone(),
+        zero.clone(),
+        zero.clone(),
+        zero.clone(),
+        zero.clone(),
+    )
     scale_t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
     for dev, per_dtype in group_by_device_and_dtype([g for g in grads if g is not None]).items():
         s = scale_t.to(dev, torch.float32)

@@ -130,7 +130,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             ) from None
         raise CheckpointError(
             f"{str(p)!r} is not a readable checkpoint (truncated or corrupt?): "
-            + ("not data that torch.load(weights_only=True) accepts" if "Weights only load failed" in first else first)
+            + (
+                "not data that torch.load(weights_only=True) accepts"
+                if "Weights only load failed" in first
+                else first
+            )
         ) from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise CheckpointError(f"{str(p)!r} is not an ampctl checkpoint (no '{FORMAT}' format tag)")
