@@ -446,6 +446,9 @@ def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -
         raise ConfigError(_composition_message(e)) from None
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_first_line(e)) from None
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        # Hydra raises plain exceptions for some malformed overrides (e.g. model=0)
+        raise ConfigError(f"cannot apply the overrides {overrides}: {_first_line(e)}") from None
     finally:
         gh.clear()
     with open_dict(cfg):
@@ -533,6 +536,8 @@ def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
         raise ConfigError(_omegaconf_message(e)) from None
     except ValueError as e:  # __post_init__ checks
         raise ConfigError(_first_line(e)) from None
+    except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        raise ConfigError(f"invalid config: {_first_line(e)}") from None
     assert isinstance(obj, RunConfig)
     return obj
 

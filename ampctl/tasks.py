@@ -87,6 +87,8 @@ def run_train(
             + "`, precision=bf16, a lower optim.lr, or scaler.init_scale lower.",
             highlight=False,
         )
+    elif result.status == "failed":
+        console.print(f"[red]Training stopped:[/red] {trainer.failure}", highlight=False)
     elif result.status == "interrupted":
         console.print(
             f"Interrupted. Resume with: ampctl train --resume {run_dir}",

@@ -41,7 +41,13 @@ from ampctl.train.builders import (
     extract_loss,
     resolve_device,
 )
-from ampctl.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ampctl.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from ampctl.train.schedule import lr_factor
 
 __all__ = ["Trainer", "TrainResult", "TrainAborted", "build_scaler", "train"]
@@ -49,6 +55,10 @@ __all__ = ["Trainer", "TrainResult", "TrainAborted", "build_scaler", "train"]
 
 class TrainAborted(RuntimeError):
     """The guard gave up (abort policy, or nothing left to fall back to)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
 @dataclass
@@ -153,6 +163,7 @@ class Trainer:
         self.snapshot: _Snapshot | None = None
         self._clean_since_snapshot = 0
         self._stop_signal: int | None = None
+        self.failure: str | None = None
         self._wall0 = time.perf_counter()
         self._wall_before = 0.0
         self._tokens_total = 0
@@ -240,6 +251,8 @@ class Trainer:
             self._acc.loss_sum = lw["loss_sum"].to(self.device)
             self._acc.loss_n = lw["loss_n"].to(self.device)
         self._acc.tokens = int(lw.get("tokens", 0))
+        for name in ("metrics.jsonl", "events.jsonl"):
+            _trim_jsonl(self.run_dir / name, self.step)
 
     def _wall(self) -> float:
         return self._wall_before + time.perf_counter() - self._wall0
@@ -286,13 +299,20 @@ class Trainer:
             f.write(json.dumps(row, default=_json_number) + "\n")
 
     def save(self) -> Path:
-        path = save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.step,
-            self.state(),
-            keep_last=self.cfg.trainer.keep_last,
-        )
-        return path
+        """Write a checkpoint atomically; on failure the previous one stays and a clear
+        :class:`CheckpointWriteError` is raised."""
+        ckpt_dir = self.run_dir / "checkpoints"
+        try:
+            return save_checkpoint(
+                ckpt_dir, self.step, self.state(), keep_last=self.cfg.trainer.keep_last
+            )
+        except OSError as e:
+            prev = latest_checkpoint(ckpt_dir)
+            raise CheckpointWriteError(
+                f"could not write the step-{self.step} checkpoint in {ckpt_dir}: "
+                f"{e.strerror or e}; the previous checkpoint "
+                f"{'(none)' if prev is None else prev} is intact"
+            ) from None
 
     # ------------------------------------------------------------------ one step
     def _set_lr(self) -> None:
@@ -620,13 +640,21 @@ class Trainer:
         except TrainAborted:
             self.save()
             status, code = "aborted", 1
+        except CheckpointWriteError as e:
+            self.failure = str(e)
+            self.emit("error", str(e))
+            status, code = "failed", 1
         finally:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
         summary = self._summary(status)
-        (self.run_dir / "summary.json").write_text(
-            json.dumps(summary, indent=2, default=_json_number) + "\n"
-        )
+        try:
+            _atomic_write(
+                self.run_dir / "summary.json",
+                json.dumps(summary, indent=2, default=_json_number) + "\n",
+            )
+        except OSError as e:
+            summary["summary_error"] = f"summary.json not written: {e.strerror or e}"
         return TrainResult(summary=summary, run_dir=self.run_dir, status=status, exit_code=code)
 
     def _summary(self, status: str) -> dict[str, Any]:
@@ -658,6 +686,27 @@ def _configured(tr: Trainer) -> list[str]:
     from ampctl.amp.precision import match_modules
 
     return match_modules(tr.model, tr.cfg.precision.fp32_modules)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _trim_jsonl(path: Path, max_step: int) -> None:
+    """Drop rows logged after ``max_step`` (a resumed run recomputes them identically)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if int(row.get("step", 0)) <= max_step:
+            keep.append(line)
+    _atomic_write(path, "".join(k + "\n" for k in keep))
 
 
 def _json_number(x: Any) -> Any:

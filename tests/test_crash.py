@@ -1,0 +1,151 @@
+"""Crashes: SIGKILL at any moment leaves a loadable latest checkpoint and resume reproduces the
+uninterrupted run; a failing checkpoint write is a clear error that keeps the previous one."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from ampctl.train import checkpoint as ckpt_mod
+from ampctl.train.checkpoint import list_checkpoints, load_checkpoint
+from ampctl.train.loop import train
+from ampctl.train.run import new_run_dir
+from tests.conftest import FAST, read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cmd(runs, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "ampctl",
+        "train",
+        *FAST,
+        f"trainer.runs_dir={runs}",
+        "trainer.max_steps=24",
+        "trainer.ckpt_every=1",
+        "trainer.keep_last=2",
+        "--quiet",
+        *extra,
+    ]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+
+
+def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
+    runs = tmp_path / "runs"
+    ref = subprocess.run(
+        _cmd(runs, "--name", "ref"), env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert ref.returncode == 0, ref.stderr
+    rng = random.Random(0)
+    run_dir = runs / "victim"
+    proc = subprocess.Popen(
+        _cmd(runs, "--name", "victim"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    kills = 0
+    while True:
+        # wait until training has really started, then kill at a random moment
+        deadline = time.time() + 120
+        while (
+            not list_checkpoints(run_dir / "checkpoints")
+            and proc.poll() is None
+            and time.time() < deadline
+        ):
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.6))
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        ck = load_checkpoint(run_dir)  # the latest complete checkpoint always loads
+        assert ck["step"] >= 1
+        for p in (run_dir / "checkpoints").iterdir():
+            assert p.name.startswith("step_") or p.name.endswith(".tmp")
+        if kills >= 3:
+            break
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ampctl", "train", "--resume", str(run_dir), "--quiet"],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+    if proc.poll() is None or kills >= 3:
+        done = subprocess.run(
+            [sys.executable, "-m", "ampctl", "train", "--resume", str(run_dir), "--quiet"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+    assert kills >= 1
+    a = [(r["step"], r["loss"], r["scale"]) for r in read_jsonl(runs / "ref" / "metrics.jsonl")]
+    b = [(r["step"], r["loss"], r["scale"]) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert a == b
+    wa = load_checkpoint(runs / "ref")["model"]
+    wb = load_checkpoint(run_dir)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(fast_cfg, monkeypatch):
+    cfg = fast_cfg("trainer.ckpt_every=4")
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def flaky_save(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint: disk full halfway through
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", flaky_save)
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "full"))
+    assert res.status == "failed" and res.exit_code == 1
+    ckpts = list_checkpoints(res.run_dir / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_00000004.pt"]
+    assert load_checkpoint(ckpts[0])["step"] == 4
+    assert not [p for p in (res.run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    ev = read_jsonl(res.run_dir / "events.jsonl")[-1]
+    assert ev["kind"] == "error"
+    assert "could not write the step-8 checkpoint" in ev["message"]
+    assert (
+        "No space left on device" in ev["message"] and "step_00000004.pt is intact" in ev["message"]
+    )
+
+
+def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume(tmp_path):
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        _cmd(runs, "--name", "int", "trainer.ckpt_every=1000", "trainer.max_steps=400", "--plain"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not (runs / "int" / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"Resume with: ampctl train --resume {runs / 'int'}" in out
+    ck = load_checkpoint(runs / "int")
+    assert 0 < ck["step"] < 400
+    assert read_jsonl(runs / "int" / "events.jsonl")[-1]["kind"] == "interrupt"
+    assert '"status": "interrupted"' in (runs / "int" / "summary.json").read_text()
