@@ -86,13 +86,17 @@ def run_train(
             + str(run_dir)
             + "`, precision=bf16, a lower optim.lr, or scaler.init_scale lower.",
             highlight=False,
+            soft_wrap=True,
         )
     elif result.status == "failed":
-        console.print(f"[red]Training stopped:[/red] {trainer.failure}", highlight=False)
+        console.print(
+            f"[red]Training stopped:[/red] {trainer.failure}", highlight=False, soft_wrap=True
+        )
     elif result.status == "interrupted":
         console.print(
             f"Interrupted. Resume with: ampctl train --resume {run_dir}",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
     return result.exit_code
