@@ -343,6 +343,16 @@ class GuardConfig:
 
 
 @dataclass(kw_only=True)
+class DistConfig:
+    """Data parallelism under torchrun (ignored in a single process)."""
+
+    strategy: str = "ddp"
+
+    def __post_init__(self) -> None:
+        _need(self.strategy in ("ddp", "fsdp"), "dist.strategy", self.strategy, "one of ddp, fsdp")
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     tensorboard: bool = False
     plot: bool = True
@@ -359,6 +369,7 @@ class RunConfig:
     scaler: ScalerConfig = field(default_factory=ScalerConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         target = self.model.get("_target_") if isinstance(self.model, dict) else None
@@ -522,7 +533,7 @@ def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
     schema = OmegaConf.structured(RunConfig)
     try:
         raw_cfg = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
-        for key in ("trainer", "data", "optim", "precision", "scaler", "guard", "logging"):
+        for key in ("trainer", "data", "optim", "precision", "scaler", "guard", "logging", "dist"):
             if key in raw_cfg and not isinstance(raw_cfg[key], DictConfig | dict):
                 raise ConfigError(
                     f"{key}: expected a group of keys, got {_show(OmegaConf.to_container(raw_cfg)[key])}"

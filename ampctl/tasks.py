@@ -36,6 +36,7 @@ def run_train(
 ) -> int:
     from ampctl.monitor.display import Display
     from ampctl.train.checkpoint import load_checkpoint
+    from ampctl.train.dist import init_distributed
     from ampctl.train.loop import Trainer
     from ampctl.train.run import new_run_dir
 
@@ -55,23 +56,32 @@ def run_train(
     if print_config:
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)
         return 0
+    if ck is not None and name is not None:
+        raise ConfigError(
+            "--name cannot be combined with --resume: the run continues in its own folder"
+        )
+    ctx = init_distributed(cfg.dist.strategy, cfg.trainer.device)
     if ck is not None:
         run_dir = Path(ck["path"]).resolve().parent.parent
-        if name is not None:
-            raise ConfigError(
-                "--name cannot be combined with --resume: the run continues in its own folder"
-            )
-    else:
+    elif ctx.is_main:
         run_dir = new_run_dir(cfg.trainer.runs_dir, name or cfg.name, preset)
+    run_dir = ctx.broadcast_object(run_dir if ctx.is_main or ck is not None else None)
     display = Display(
-        cfg.trainer.max_steps, mode=mode, console=console, title=f"ampctl train - {run_dir.name}"
+        cfg.trainer.max_steps,
+        mode=mode if ctx.is_main else "quiet",
+        console=console,
+        title=f"ampctl train - {run_dir.name}",
     )
     try:
-        trainer = Trainer(cfg, run_dir, display=display, resume=ck)
+        trainer = Trainer(
+            cfg, run_dir, display=display if ctx.is_main else None, resume=ck, dist_ctx=ctx
+        )
     except BaseException:
-        if ck is None and not any(run_dir.iterdir()):
+        if ctx.is_main and ck is None and not any(run_dir.iterdir()):
             run_dir.rmdir()  # nothing was written: leave no empty run behind
         raise
+    if not ctx.is_main:
+        return trainer.run().exit_code
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with display:
         result = trainer.run()

@@ -59,7 +59,7 @@ def test_run_folder_has_everything(fast_cfg):
         "data",
         "config",
     } <= set(ck)
-    assert ck["data"] == {"position": 12}
+    assert ck["data"] == {"position": 12, "world_size": 1}
     s = res.summary
     assert s["steps"] == 12 and s["skipped"] == 0 and s["final_scale"] == 1024.0
 

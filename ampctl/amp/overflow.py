@@ -24,14 +24,23 @@ __all__ = [
 ]
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (FSDP2 gradients), a view sharing its storage; other
+    tensors unchanged. Cross-rank agreement is the caller's job (the scaler reduces its flags)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def group_by_device_and_dtype(
     tensors: Iterable[torch.Tensor],
 ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
-    """Split tensors into (device, dtype) groups for the foreach kernels. No host read."""
+    """Split tensors (DTensors: their local shards) into (device, dtype) groups for the foreach
+    kernels. No host read."""
     groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
         lambda: defaultdict(list)
     )
     for t in tensors:
+        t = local_tensor(t)
         groups[t.device][t.dtype].append(t)
     return groups
 
@@ -80,6 +89,7 @@ def nonfinite_tensor_names(
     for name, t in named_tensors:
         if t is None or t.numel() == 0:
             continue
+        t = local_tensor(t)
         if t.is_sparse:
             t = t.coalesce()._values()
         names.append(name)

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ampctl.amp import LossScaler, PrecisionPolicy, bf16_supported, nonfinite_tensor_names
 from ampctl.amp.guard import Action, GuardRules, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
-from ampctl.amp.precision import FP16_MAX
 from ampctl.config import RunConfig, config_from_dict, to_yaml
 from ampctl.monitor.stats import grad_stats
 from ampctl.train.builders import (
@@ -47,6 +47,14 @@ from ampctl.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+)
+from ampctl.train.dist import (
+    DistContext,
+    full_state,
+    init_distributed,
+    load_full_state,
+    no_sync,
+    wrap_model,
 )
 from ampctl.train.schedule import lr_factor
 
@@ -124,14 +132,23 @@ class Trainer:
         display: Any = None,
         resume: dict[str, Any] | None = None,
         fault: Callable[[Trainer, int, str], None] | None = None,
+        dist_ctx: DistContext | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.display = display
         self.fault = fault
+        self.ctx = dist_ctx or init_distributed(cfg.dist.strategy, cfg.trainer.device)
         self.device = resolve_device(cfg.trainer.device)
+        if self.ctx.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.ctx.local_rank)
+        if self.ctx.enabled and self.ctx.strategy == "fsdp" and cfg.precision.name == "fp16-pure":
+            raise BuildError(
+                "precision=fp16-pure cannot be combined with dist.strategy=fsdp: use precision=fp16 "
+                "(FSDP keeps fp32 shards; autocast computes in fp16)"
+            )
         torch.manual_seed(cfg.trainer.seed)
-        self.data = build_data_source(cfg)
+        self.data = build_data_source(cfg, self.ctx.rank, self.ctx.world_size)
         self.model = build_model(cfg).to(self.device)
         missing = accepts_batch_keys(self.model, ["input_ids", "attention_mask", "labels"])
         if missing:
@@ -144,7 +161,9 @@ class Trainer:
         if resume is not None:
             precision = resume["precision"]["name"]
             exempted = list(resume["precision"]["exempted"])
-        self._setup_precision(precision, exempted)
+        self._apply_policy(precision, exempted)
+        self.fwd_model = wrap_model(self.model, self.ctx, self.device)
+        self._build_optim()
         self.guard = OverflowGuard(
             GuardRules(
                 rollback_after=cfg.guard.rollback_after,
@@ -163,6 +182,7 @@ class Trainer:
         self.snapshot: _Snapshot | None = None
         self._clean_since_snapshot = 0
         self._stop_signal: int | None = None
+        self._stop_agreed = False  # under torchrun all ranks stop together, at a log step
         self.failure: str | None = None
         self._wall0 = time.perf_counter()
         self._wall_before = 0.0
@@ -173,7 +193,7 @@ class Trainer:
             self._load(resume)
 
     # ------------------------------------------------------------------ set-up
-    def _setup_precision(self, name: str, exempted: list[str]) -> None:
+    def _apply_policy(self, name: str, exempted: list[str]) -> None:
         self.policy = PrecisionPolicy(
             name=name,
             fp32_modules=list(self.cfg.precision.fp32_modules),
@@ -183,28 +203,45 @@ class Trainer:
             if n not in self.policy.exempted:
                 self.policy.exempt(self.model, n)
         self.policy.prepare(self.model)
+
+    def _build_optim(self) -> None:
         self.params = self.policy.optimizer_params(self.model)
         self.named_params = self.policy.named_optimizer_params(self.model)
         self.optimizer = build_optimizer(self.cfg.optim, self.params, self.device)
         self.scaler = build_scaler(self.cfg, self.policy)
         self.scaler.init_state(self.device)
+        if self.ctx.enabled:
+            self.scaler.reduce_flags = self.ctx.reduce_max
         self._fused = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     @property
     def tokens_per_step(self) -> int:
         d = self.cfg.data
-        return d.batch_size * d.seq_len * self.cfg.trainer.grad_accum_steps
+        return d.batch_size * d.seq_len * self.cfg.trainer.grad_accum_steps * self.ctx.world_size
 
     # ------------------------------------------------------------------ state
-    def state(self) -> dict[str, Any]:
-        """Everything a checkpoint holds (weights_only-loadable)."""
+    def _log_window(self) -> dict[str, Any]:
+        acc = self._acc
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "loss_sum": acc.loss_sum.detach().cpu() if acc.loss_sum is not None else None,
+            "loss_n": acc.loss_n.detach().cpu() if acc.loss_n is not None else None,
+            "tokens": acc.tokens,
+        }
+
+    def state(self) -> dict[str, Any]:
+        """Everything a checkpoint holds (weights_only-loadable). Under torchrun every rank
+        must call it (FSDP gathers full state dicts; per-rank RNG and log windows are gathered)."""
+        model_sd, optim_sd = full_state(self.model, self.optimizer, self.ctx)
+        per_rank = self.ctx.all_gather_object(
+            {"rng": rng_state(), "log_window": self._log_window()}
+        )
+        return {
+            "model": model_sd,
+            "optimizer": optim_sd,
             "scaler": self.scaler.state_dict(),
             "scheduler": {"applied": self.applied},
-            "rng": rng_state(),
-            "data": self.data.state_dict(),
+            "rng": per_rank[0]["rng"],
+            "data": {**self.data.state_dict(), "world_size": self.ctx.world_size},
             "config": self.cfg.to_dict(),
             "precision": {"name": self.policy.name, "exempted": list(self.policy.exempted)},
             "master": [m.detach().cpu() for m in self.params]
@@ -216,20 +253,27 @@ class Trainer:
                 "wall_s": self._wall(),
                 "events": len(self.events),
             },
-            "log_window": {
-                "loss_sum": self._acc.loss_sum.detach().cpu()
-                if self._acc.loss_sum is not None
-                else None,
-                "loss_n": self._acc.loss_n.detach().cpu() if self._acc.loss_n is not None else None,
-                "tokens": self._acc.tokens,
+            "log_window": per_rank[0]["log_window"],
+            "dist": {
+                "strategy": self.ctx.strategy if self.ctx.enabled else "none",
+                "world_size": self.ctx.world_size,
+                "per_rank": per_rank if self.ctx.enabled else None,
             },
         }
 
     def _load(self, ck: dict[str, Any]) -> None:
         self.step = int(ck["step"])
+        saved = ck.get("dist") or {"strategy": "none", "world_size": 1, "per_rank": None}
+        fsdp_now = self.ctx.enabled and self.ctx.strategy == "fsdp"
+        if (saved["strategy"] == "fsdp") != fsdp_now:
+            raise BuildError(
+                f"checkpoint {ck.get('path')}: saved with dist.strategy={saved['strategy']} "
+                f"({saved['world_size']} ranks); resume FSDP checkpoints under dist.strategy=fsdp and "
+                "single-process/DDP checkpoints without it"
+            )
         try:
-            self.model.load_state_dict(ck["model"])
-        except RuntimeError as e:
+            load_full_state(self.model, self.optimizer, ck["model"], ck["optimizer"], self.ctx)
+        except (RuntimeError, KeyError, ValueError) as e:
             raise BuildError(
                 f"checkpoint {ck.get('path')}: does not fit the configured model: {str(e).splitlines()[0]}"
             ) from None
@@ -237,22 +281,35 @@ class Trainer:
             with torch.no_grad():
                 for m, v in zip(self.params, ck["master"], strict=True):
                     m.copy_(v)
-        self.optimizer.load_state_dict(ck["optimizer"])
         self.scaler.load_state_dict(ck["scaler"])
         self.applied = int(ck["scheduler"]["applied"])
-        self.data.load_state_dict(ck["data"])
-        set_rng_state(ck["rng"])
+        self.data.load_state_dict({"position": self._local_position(ck)})
+        same_ranks = saved["per_rank"] is not None and len(saved["per_rank"]) == self.ctx.world_size
+        mine = saved["per_rank"][self.ctx.rank] if same_ranks else None
+        set_rng_state(mine["rng"] if mine else ck["rng"])
         self.guard.load_state_dict(ck.get("guard", {}))
         tr = ck.get("trainer", {})
         self._tokens_total = int(tr.get("tokens", 0))
         self._wall_before = float(tr.get("wall_s", 0.0))
-        lw = ck.get("log_window") or {}
+        lw = (mine["log_window"] if mine else ck.get("log_window")) or {}
         if lw.get("loss_sum") is not None:
             self._acc.loss_sum = lw["loss_sum"].to(self.device)
             self._acc.loss_n = lw["loss_n"].to(self.device)
         self._acc.tokens = int(lw.get("tokens", 0))
         for name in ("metrics.jsonl", "events.jsonl"):
             _trim_jsonl(self.run_dir / name, self.step)
+
+    def _local_position(self, ck: dict[str, Any]) -> int:
+        """This rank's data position; a run may resume on another number of ranks when the
+        global position (batches consumed by all ranks) divides evenly."""
+        d = ck["data"]
+        global_pos = int(d["position"]) * int(d.get("world_size", 1))
+        if global_pos % self.ctx.world_size:
+            raise BuildError(
+                f"checkpoint {ck.get('path')}: {global_pos} global batches consumed do not split over "
+                f"{self.ctx.world_size} ranks; resume with a number of ranks that divides {global_pos}"
+            )
+        return global_pos // self.ctx.world_size
 
     def _wall(self) -> float:
         return self._wall_before + time.perf_counter() - self._wall0
@@ -289,12 +346,16 @@ class Trainer:
         ev = {"step": self.step, "kind": kind, "message": message, "time": time.time(), **extra}
         self.events.append(ev)
         self.guard.count(kind)
+        if not self.ctx.is_main:
+            return
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(ev, default=str) + "\n")
         if self.display is not None:
             self.display.event(ev)
 
     def _write_metrics(self, row: dict[str, Any]) -> None:
+        if not self.ctx.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row, default=_json_number) + "\n")
 
@@ -302,10 +363,11 @@ class Trainer:
         """Write a checkpoint atomically; on failure the previous one stays and a clear
         :class:`CheckpointWriteError` is raised."""
         ckpt_dir = self.run_dir / "checkpoints"
+        state = self.state()  # collective under torchrun
+        if not self.ctx.is_main:
+            return ckpt_dir / f"step_{self.step:08d}.pt"
         try:
-            return save_checkpoint(
-                ckpt_dir, self.step, self.state(), keep_last=self.cfg.trainer.keep_last
-            )
+            return save_checkpoint(ckpt_dir, self.step, state, keep_last=self.cfg.trainer.keep_last)
         except OSError as e:
             prev = latest_checkpoint(ckpt_dir)
             raise CheckpointWriteError(
@@ -345,9 +407,11 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.item())
 
-    def _forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward_loss(
+        self, batch: dict[str, torch.Tensor], model: nn.Module | None = None
+    ) -> torch.Tensor:
         with self.policy.autocast():
-            out = self.model(**batch)
+            out = (model or self.fwd_model)(**batch)
         return extract_loss(out).float()
 
     def train_step(self, log: bool) -> dict[str, Any]:
@@ -358,13 +422,14 @@ class Trainer:
             self.policy.master.zero_grad()
         batches = []
         loss_total = None
-        for _ in range(accum):
+        for i in range(accum):
             batch = {
                 k: v.to(self.device, non_blocking=True) for k, v in self.data.next_batch().items()
             }
             batches.append(batch)
-            loss = self._forward_loss(batch) / accum
-            self.scaler.scale(loss).backward()
+            with no_sync(self.fwd_model, self.ctx, last=i == accum - 1):
+                loss = self._forward_loss(batch) / accum
+                self.scaler.scale(loss).backward()
             loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         self.policy.after_backward()
         if self.fault is not None:
@@ -414,36 +479,37 @@ class Trainer:
         return fwd
 
     def _locate_and_promote(self, batches: list[dict[str, torch.Tensor]]) -> None:
-        limit = FP16_MAX if self.policy.compute_dtype == torch.float16 else None
+        """Replay this step's batches with forward hooks and promote the first module whose
+        output is non-finite. Every batch is replayed (ranks stay in step under FSDP) and the
+        ranks agree on one module (the first found, in rank order)."""
+        found = None
         for batch in batches:
             with torch.no_grad():
-                traces, _ = trace_modules(self.model, lambda b=batch: self._forward_loss(b))
+                traces, _ = trace_modules(
+                    self.model, lambda b=batch: self._forward_loss(b, model=self.model)
+                )
             bad = first_bad(traces)
-            if bad is None:
-                continue
-            where = "non-finite" if bad.bad else f"above {limit:g}"
-            if bad.name == "<model>" or not self.cfg.guard.promote or self.policy.name in ("fp32",):
-                self.emit(
-                    "locate",
-                    f"forward overflow first appears in {bad.name} ({where}, {bad.dtype})",
-                    module=bad.name,
-                )
-                return
-            if self.policy.exempt(self.model, bad.name):
-                self.emit(
-                    "promotion",
-                    f"forward overflow first appears in {bad.name} ({where}, {bad.dtype}): now runs in fp32",
-                    module=bad.name,
-                )
-            else:
-                self.emit(
-                    "locate", f"forward overflow in {bad.name}, already fp32", module=bad.name
-                )
+            if bad is not None and found is None:
+                found = (bad.name, bad.dtype)
+        found = next((f for f in self.ctx.all_gather_object(found) if f is not None), None)
+        if found is None:
+            self.emit(
+                "locate",
+                "forward overflow did not reproduce on replay (non-deterministic or data-dependent)",
+            )
             return
-        self.emit(
-            "locate",
-            "forward overflow did not reproduce on replay (non-deterministic or data-dependent)",
-        )
+        name, dtype = found
+        if name == "<model>" or not self.cfg.guard.promote or self.policy.name == "fp32":
+            self.emit("locate", f"forward overflow first appears in {name} ({dtype})", module=name)
+            return
+        if self.policy.exempt(self.model, name):
+            self.emit(
+                "promotion",
+                f"forward overflow first appears in {name} (non-finite, {dtype}): now runs in fp32",
+                module=name,
+            )
+        else:
+            self.emit("locate", f"forward overflow in {name}, already fp32", module=name)
 
     def _apply(self, decision) -> None:
         if decision.action is Action.CONTINUE:
@@ -501,27 +567,59 @@ class Trainer:
         exempted = list(self.policy.exempted)
         for n in exempted:
             self.policy.unexempt(self.model, n)
-        self._setup_precision(name, exempted)
+        self._apply_policy(name, exempted)
+        self._build_optim()
         self.optimizer.load_state_dict(opt_state)
 
     # ------------------------------------------------------------------ logging
     def _log(self, acc: _LogAcc, stats: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+        """Read every figure of the interval in one transfer (under torchrun, after one SUM and
+        one MAX all-reduce: loss over all ranks, FSDP's sharded gradient stats, the stop flag)."""
+        dev = self.device
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
         c = self.scaler.device_counters()
         window = self.cfg.trainer.overflow_window
-        parts = [
-            acc.loss_sum if acc.loss_sum is not None else torch.zeros((), device=self.device),
-            acc.loss_n if acc.loss_n is not None else torch.zeros((), device=self.device),
+        sharded = self.ctx.enabled and self.ctx.strategy == "fsdp"
+        sums = [
+            acc.loss_sum if acc.loss_sum is not None else zero,
+            acc.loss_n if acc.loss_n is not None else zero,
+        ]
+        maxes = [torch.full((), float(self._stop_signal is not None), device=dev)]
+        if stats is not None:
+            sums += [
+                stats["grad_norm"] ** 2,
+                stats["grad_underflow"],
+                stats["grad_elems"],
+                stats["nonfinite_grads"],
+            ]
+            maxes += [stats["grad_amax"]]
+        sum_t = torch.stack([x.double().to(dev) for x in sums])
+        max_t = torch.stack([x.double().to(dev) for x in maxes])
+        if self.ctx.enabled:
+            if sharded:
+                sum_t = self.ctx.reduce_sum(sum_t)
+                max_t = self.ctx.reduce_max(max_t)
+            else:  # DDP: gradients are already all-reduced; only the loss and the stop flag differ
+                sum_t = torch.cat([self.ctx.reduce_sum(sum_t[:2]), sum_t[2:]])
+                max_t = self.ctx.reduce_max(max_t)
+        local = [
             c["scale"],
             c["skipped_total"],
             c["forward_overflows"],
             c["consecutive_overflows"],
             self.scaler.recent_skips(window),
         ]
-        keys = ["grad_norm", "grad_amax", "grad_underflow", "grad_elems", "nonfinite_grads"]
-        if stats is not None:
-            parts += [stats[k] for k in keys]
-        vals = torch.stack([p.double().to(self.device) for p in parts]).tolist()  # the log read
-        loss_sum, loss_n, scale, skipped, fwd, consec, win = vals[:7]
+        vals = torch.cat(
+            [sum_t, max_t, torch.stack([x.double().to(dev) for x in local])]
+        ).tolist()  # the log read
+        loss_sum, loss_n = vals[0], vals[1]
+        g_sums = vals[2:6] if stats is not None else None
+        k = len(sums)
+        stop, g_amax = vals[k], (vals[k + 1] if stats is not None else None)
+        scale, skipped, fwd, consec, win = vals[k + len(maxes) :]
+        if stop > 0 and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM  # another rank was signalled
+        self._stop_agreed = stop > 0
         now = time.perf_counter()
         dt = max(now - acc.t0, 1e-9)
         if self._fused:
@@ -540,11 +638,11 @@ class Trainer:
             "elapsed_s": self._wall(),
             "max_steps": self.cfg.trainer.max_steps,
         }
-        if stats is not None:
-            gn, ga, gu, ge, gb = vals[7:]
+        if g_sums is not None:
+            gn2, gu, ge, gb = g_sums
             row.update(
-                grad_norm=gn,
-                grad_amax=ga,
+                grad_norm=math.sqrt(gn2),
+                grad_amax=g_amax,
                 grad_underflow_frac=gu / max(ge, 1),
                 nonfinite_grads=int(gb),
             )
@@ -629,7 +727,7 @@ class Trainer:
                     acc = self._acc = _LogAcc()
                 if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
                     self.save()
-                if self._stop_signal is not None:
+                if self._stop_signal is not None and (not self.ctx.enabled or self._stop_agreed):
                     path = self.save()
                     name = "SIGINT" if self._stop_signal == signal.SIGINT else "SIGTERM"
                     self.emit(
