@@ -1,0 +1,42 @@
+"""Fidelity of the protected low-precision loop: the default task trained with the same seed
+and steps in fp32, fp16 (protected) and bf16. Slow (a few minutes on 2 CPU cores):
+
+    pytest -m slow -s tests/test_fidelity.py
+
+Prints the figures quoted in README. The compared loss is the mean over the last 30 steps
+(three log rows), so one noisy batch does not decide it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ampctl.config import load_config
+from ampctl.train.loop import train
+from ampctl.train.run import new_run_dir
+from tests.conftest import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _final(tmp_path, precision: str) -> tuple[float, dict]:
+    cfg = load_config([f"precision={precision}", f"trainer.runs_dir={tmp_path}"])
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, precision))
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    tail = rows[-3:]
+    return sum(r["loss"] for r in tail) / len(tail), res.summary
+
+
+def test_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path):
+    ref, s32 = _final(tmp_path, "fp32")
+    f16, s16 = _final(tmp_path, "fp16")
+    b16, sb = _final(tmp_path, "bf16")
+    gap16, gapb = abs(f16 - ref) / ref, abs(b16 - ref) / ref
+    print(
+        f"\nfidelity (default task, {s32['steps']} steps, seed 0, mean loss of the last 30 steps):"
+        f"\n  fp32 {ref:.4f}  ({s32['wall_time_s']:.0f} s)"
+        f"\n  fp16 {f16:.4f}  gap {gap16:.2%}  skipped {s16['skipped']}  final scale {s16['final_scale']:g}  ({s16['wall_time_s']:.0f} s)"
+        f"\n  bf16 {b16:.4f}  gap {gapb:.2%}  skipped {sb['skipped']}  ({sb['wall_time_s']:.0f} s)"
+    )
+    assert gap16 <= 0.01
+    assert gapb <= 0.02
