@@ -89,6 +89,12 @@ def run_train(
     if result.status != "ok":
         summary["resume_hint"] = f"ampctl train --resume {run_dir}"
     display.summary(summary)
+    if cfg.logging.plot:
+        from ampctl.plot import maybe_plot_run
+
+        got = maybe_plot_run(run_dir)
+        msg = f"plot: {got}" if isinstance(got, Path) else got
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)
     if result.status == "aborted":
         console.print(
             "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "

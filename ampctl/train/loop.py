@@ -31,6 +31,7 @@ from ampctl.amp import LossScaler, PrecisionPolicy, bf16_supported, nonfinite_te
 from ampctl.amp.guard import Action, GuardRules, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.config import RunConfig, config_from_dict, to_yaml
+from ampctl.monitor.sinks import make_tensorboard_sink
 from ampctl.monitor.stats import grad_stats
 from ampctl.train.builders import (
     BuildError,
@@ -189,6 +190,11 @@ class Trainer:
         self._tokens_total = 0
         self.last_metrics: dict[str, Any] = {}
         self._acc = _LogAcc()  # the open log window (kept in checkpoints: resumed rows match)
+        self.tb = None
+        self._tb_hint = None
+        if self.ctx.is_main and cfg.logging.tensorboard:
+            tb = make_tensorboard_sink(self.run_dir, True)
+            self.tb, self._tb_hint = (None, tb) if isinstance(tb, str) else (tb, None)
         if resume is not None:
             self._load(resume)
 
@@ -350,6 +356,8 @@ class Trainer:
             return
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(ev, default=str) + "\n")
+        if self.tb is not None:
+            self.tb.log_event(ev)
         if self.display is not None:
             self.display.event(ev)
 
@@ -358,6 +366,8 @@ class Trainer:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row, default=_json_number) + "\n")
+        if self.tb is not None:
+            self.tb.log_metrics(row)
 
     def save(self) -> Path:
         """Write a checkpoint atomically; on failure the previous one stays and a clear
@@ -523,6 +533,7 @@ class Trainer:
         if self.snapshot is None:
             self.take_snapshot()  # nothing better: restart from here (weights are never corrupted by a skip)
         old_scale = self.scaler.get_scale()
+        decided_at = self.step
         snap = self.snapshot
         if decision.action is Action.ROLLBACK:
             self._restore(snap)  # the scaler keeps its counters: the skips happened
@@ -536,6 +547,7 @@ class Trainer:
                 "rollback",
                 f"{decision.reason}: restored step {snap.step}, scale {old_scale:g} -> {new_scale:g}",
                 to_step=snap.step,
+                from_step=decided_at,
             )
             return
         # FALLBACK
@@ -554,6 +566,8 @@ class Trainer:
             f"{decision.reason}; restored step {snap.step}",
             from_precision=old,
             to_precision=decision.precision,
+            to_step=snap.step,
+            from_step=decided_at,
         )
 
     def _switch_precision(self, name: str) -> None:
@@ -688,6 +702,8 @@ class Trainer:
         status, code = "ok", 0
         acc = self._acc
         self._fwd_seen = self.scaler.forward_overflows
+        if self._tb_hint:
+            self.emit("warning", self._tb_hint)
         try:
             if self.cfg.guard.enabled and self.snapshot is None:
                 self.take_snapshot()
@@ -745,6 +761,8 @@ class Trainer:
         finally:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
+            if self.tb is not None:
+                self.tb.close()
         summary = self._summary(status)
         try:
             _atomic_write(
