@@ -49,6 +49,11 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return (UsageError, DataError)
 
 
+def _at_least(option: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        _fail(f"{option} {value}: must be an integer >= {minimum}")
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
@@ -123,10 +128,10 @@ def sweep_scale(
     ] = None,
     steps: Annotated[
         int | None,
-        typer.Option("--steps", min=1, help="Steps per trial (default: trainer.max_steps)."),
+        typer.Option("--steps", help="Steps per trial (default: trainer.max_steps)."),
     ] = None,
     jobs: Annotated[
-        int, typer.Option("--jobs", "-j", min=1, help="Trials run as parallel processes.")
+        int, typer.Option("--jobs", "-j", help="Trials run as parallel processes.")
     ] = 1,
     baseline: Annotated[
         bool,
@@ -153,6 +158,9 @@ def sweep_scale(
     """
     from ampctl.sweep import run_sweep
 
+    _at_least("--steps", steps, 1)
+    _at_least("--jobs", jobs, 1)
+
     try:
         code = run_sweep(
             overrides=list(overrides or []),
@@ -178,7 +186,7 @@ def diagnose(
         ),
     ],
     batches: Annotated[
-        int, typer.Option("--batches", "-b", min=1, help="Batches to replay with hooks.")
+        int, typer.Option("--batches", "-b", help="Batches to replay with hooks.")
     ] = 2,
     precision: Annotated[
         str | None,
@@ -199,6 +207,8 @@ def diagnose(
     """
     from ampctl.diagnose import run_diagnose
 
+    _at_least("--batches", batches, 1)
+
     try:
         code = run_diagnose(
             path=path, batches=batches, precision=precision, device=device, as_json=as_json
@@ -213,7 +223,7 @@ def bench(
     overrides: Annotated[
         list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", min=2, help="Timed steps per measurement.")] = 20,
+    steps: Annotated[int, typer.Option("--steps", help="Timed steps per measurement (>= 2).")] = 20,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the figures as JSON (overhead.ratio, ...).")
     ] = False,
@@ -224,6 +234,8 @@ def bench(
     """Measure what protection costs: overhead vs a bare GradScaler loop, fused vs per-parameter
     overflow check, host reads per step, and a precision table (step time, tokens/s, memory)."""
     from ampctl.bench import run_bench
+
+    _at_least("--steps", steps, 2)
 
     try:
         code = run_bench(

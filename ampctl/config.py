@@ -620,6 +620,13 @@ def _compose_free_overrides(base: DictConfig, overrides: list[str]) -> DictConfi
                 f"{key}: a sweep ({o.input_line}) is only allowed in `ampctl sweep-scale`"
             )
         value = o.value()
+        if key == "precision" and isinstance(value, str):
+            key = "precision.name"  # the one group whose choice is a single key
+        elif key in _GROUPS and not isinstance(value, dict):
+            raise ConfigError(
+                f"{key}={value}: config groups cannot be switched on --resume (the run keeps its "
+                f"{key}); set single keys instead, e.g. {key}.KEY=VALUE"
+            )
         if OmegaConf.select(cfg, key) is None and not o.is_add() and "." in key:
             parent = key.rpartition(".")[0]
             node = OmegaConf.select(cfg, parent)

@@ -194,3 +194,26 @@ def test_keep_last_checkpoints(fast_cfg):
         "step_00000012.pt",
     ]
     assert latest_checkpoint(res.run_dir / "checkpoints").name == "step_00000012.pt"
+
+
+def test_resume_applies_scaler_and_precision_overrides(fast_cfg):
+    from ampctl.tasks import resume_config
+
+    first = _run(fast_cfg("trainer.max_steps=6"), "ov")
+    ck = load_checkpoint(first.run_dir)
+    cfg = resume_config(
+        ck,
+        [
+            "trainer.max_steps=8",
+            "scaler.init_scale=64",
+            "scaler.growth_interval=7",
+            "precision=bf16",
+        ],
+    )
+    tr = Trainer(cfg, first.run_dir, resume=ck)
+    assert tr.policy.name == "bf16"  # asked for on the resume command line
+    assert tr.scaler.get_growth_interval() == 7
+    plain = Trainer(
+        resume_config(ck, ["trainer.max_steps=8", "scaler.init_scale=64"]), first.run_dir, resume=ck
+    )
+    assert plain.scaler.get_scale() == 64.0 and plain.policy.name == "fp16"

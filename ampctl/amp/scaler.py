@@ -499,6 +499,22 @@ class LossScaler:
         )
         self._growth_interval = int(new_interval)
 
+    def set_hysteresis(self, hysteresis: int) -> None:
+        """Change the hysteresis (takes effect when the counter next refills)."""
+        _check_range(
+            "hysteresis", hysteresis, _is_int(hysteresis) and hysteresis >= 1, "an integer >= 1"
+        )
+        self._hysteresis = int(hysteresis)
+
+    def set_bounds(self, min_scale: float, max_scale: float) -> None:
+        """Change the scale bounds (applied at the next update)."""
+        _check_range("min_scale", min_scale, _finite_pos(min_scale), "a finite number > 0")
+        _check_range("max_scale", max_scale, _finite_pos(max_scale), "a finite number > 0")
+        _check_range(
+            "min_scale", min_scale, min_scale <= max_scale, f"<= max_scale ({max_scale!r})"
+        )
+        self._min_scale, self._max_scale = float(min_scale), float(max_scale)
+
     @property
     def min_scale(self) -> float:
         return self._min_scale

@@ -160,7 +160,10 @@ class Trainer:
         precision = cfg.precision.name
         exempted: list[str] = []
         if resume is not None:
-            precision = resume["precision"]["name"]
+            # the run keeps the precision it had reached (a fallback sticks) unless the user
+            # asks for another one on the command line of the resume
+            asked = cfg.precision.name != resume["config"]["precision"]["name"]
+            precision = cfg.precision.name if asked else resume["precision"]["name"]
             exempted = list(resume["precision"]["exempted"])
         self._apply_policy(precision, exempted)
         self.fwd_model = wrap_model(self.model, self.ctx, self.device)
@@ -288,6 +291,7 @@ class Trainer:
                 for m, v in zip(self.params, ck["master"], strict=True):
                     m.copy_(v)
         self.scaler.load_state_dict(ck["scaler"])
+        self._apply_scaler_overrides(ck)
         self.applied = int(ck["scheduler"]["applied"])
         self.data.load_state_dict({"position": self._local_position(ck)})
         same_ranks = saved["per_rank"] is not None and len(saved["per_rank"]) == self.ctx.world_size
@@ -304,6 +308,20 @@ class Trainer:
         self._acc.tokens = int(lw.get("tokens", 0))
         for name in ("metrics.jsonl", "events.jsonl"):
             _trim_jsonl(self.run_dir / name, self.step)
+
+    def _apply_scaler_overrides(self, ck: dict[str, Any]) -> None:
+        """On resume the scaler's state (scale, trackers, counters) comes from the checkpoint,
+        its rules from the config: growth/backoff/interval/hysteresis/bounds follow the config,
+        and a changed ``scaler.init_scale`` sets the scale."""
+        s, old = self.cfg.scaler, ck["config"]["scaler"]
+        sc = self.scaler
+        sc.set_growth_factor(s.growth_factor)
+        sc.set_backoff_factor(s.backoff_factor)
+        sc.set_growth_interval(s.growth_interval)
+        sc.set_hysteresis(s.hysteresis)
+        sc.set_bounds(s.min_scale, s.max_scale)
+        if sc.is_enabled() and s.init_scale != old["init_scale"]:
+            sc.update(new_scale=s.init_scale)
 
     def _local_position(self, ck: dict[str, Any]) -> int:
         """This rank's data position; a run may resume on another number of ranks when the
