@@ -25,8 +25,8 @@ def grad_stats(
 
     ``grads`` are *unscaled* gradients. An element counts as underflowed when it is zero or when,
     multiplied back by ``scale``, it is below fp16's smallest subnormal (2**-24): the fp16
-    backward could not represent it. Non-finite elements are excluded from norm and max.
-    No host read.
+    backward could not represent it. Tensors holding inf/NaN are left out of norm and max (they
+    are counted in the non-finite figure). No host read.
     """
     zero = torch.zeros((), dtype=torch.float32, device=device)
     norm_sq, amax, under, elems, bad = (
@@ -38,17 +38,23 @@ def grad_stats(
     )
     scale_t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
     for dev, per_dtype in group_by_device_and_dtype([g for g in grads if g is not None]).items():
-        s = scale_t.to(dev, torch.float32)
-        threshold = FP16_SUBNORMAL / s
+        threshold = FP16_SUBNORMAL / scale_t.to(dev, torch.float32)
         for group in per_dtype.values():
-            flat = torch.cat([g.detach().reshape(-1) for g in group]).float()
-            finite = torch.isfinite(flat)
-            clean = torch.where(finite, flat, torch.zeros((), device=dev)).abs()
-            norm_sq += clean.pow(2).sum().to(device)
-            amax = torch.maximum(amax, clean.max().to(device))
-            under += ((clean < threshold) & finite).sum().float().to(device)
-            bad += (~finite).sum().float().to(device)
-            elems += float(flat.numel())
+            group = [g.detach() for g in group]
+            # per-tensor reductions (foreach where torch has them): no concatenated copy of all
+            # gradients, so the temporary memory is one tensor's worth at most
+            l2 = torch.stack(torch._foreach_norm(group, 2.0)).float()
+            linf = torch.stack(torch._foreach_norm(group, float("inf"))).float()
+            ok = torch.isfinite(l2)
+            norm_sq += torch.where(ok, l2, 0.0).pow(2).sum().to(device)
+            amax = torch.maximum(
+                amax, torch.where(torch.isfinite(linf), linf, 0.0).max().to(device)
+            )
+            under += (
+                torch.stack([(g.abs() < threshold).sum() for g in group]).sum().float().to(device)
+            )
+            bad += torch.stack([(~torch.isfinite(g)).sum() for g in group]).sum().float().to(device)
+            elems += float(sum(g.numel() for g in group))
     return {
         "grad_norm": norm_sq.sqrt(),
         "grad_amax": amax,
