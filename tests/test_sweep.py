@@ -49,6 +49,9 @@ def _console() -> tuple[Console, io.StringIO]:
 def _run(runs: Path, *overrides: str, **kw):
     console, buf = _console()
     kw.setdefault("mode", "plain")
+    # one thread per trial whatever --jobs is: --jobs 1 and --jobs 2 then do the same float
+    # reductions, so their losses are bit-identical (two threads would reorder the sums)
+    kw.setdefault("threads", 1)
     result = sweep(
         [*FAST, f"trainer.runs_dir={runs}", *overrides], steps=STEPS, console=console, **kw
     )
