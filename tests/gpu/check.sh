@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# ampctl's GPU checks: one prepared script for a machine with an NVIDIA GPU and torch (CUDA).
+#
+#   bash tests/gpu/check.sh prepare   on a machine where ampctl's dependencies are installed:
+#                                     copy the pure-Python ones that a bare GPU image may lack
+#                                     (hydra-core, omegaconf, antlr4 runtime; about 2 MB) into
+#                                     .gpu-deps/, to send along with the working tree
+#   bash tests/gpu/check.sh           on the GPU machine: run the checks, write to $OUT
+#
+# The checks (about 5 minutes on one H200; each step has its own time limit, so the script
+# ends within 10 minutes):
+#   1. pytest tests/gpu -m gpu: LossScaler vs torch.amp.GradScaler("cuda") on planted overflows,
+#      host reads per step 1 (standard) and 0 (fused AdamW) on CUDA, a skipped step on the fused
+#      path, the bench's CUDA code paths, and 4 fp16 steps of conf=bert_large end to end.
+#   2. ampctl bench conf=bert_large --json: protection overhead, fused vs per-parameter overflow
+#      check, host reads, and the precision table (fp32, bf16, fp16, fp16-pure: step time,
+#      tokens/s, peak memory), on BERT-Large at the preset's batch 64 x seq 512.
+#
+# Output in $OUT (default ./gpu-check-out): env.txt, pytest.log, bench_bert_large.json,
+# bench_bert_large.txt (the table), bench_bert_large.log (progress), check.log (all of it).
+# Exit status: 0 when every step passed, else the number of failed steps.
+# Nothing heavy is installed: torch must be there already; ampctl runs from this checkout.
+set -u -o pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$REPO" || exit 1
+PY="${PYTHON:-python3}"
+
+if [ "${1:-}" = "prepare" ]; then
+    rm -rf .gpu-deps && mkdir -p .gpu-deps || exit 1
+    "$PY" - <<'EOF' || exit 1
+import importlib, pathlib, shutil
+for name in ("hydra", "omegaconf", "antlr4"):
+    src = pathlib.Path(importlib.import_module(name).__file__).parent
+    shutil.copytree(src, pathlib.Path(".gpu-deps") / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    print(f"copied {name} from {src}")
+EOF
+    du -sh .gpu-deps
+    echo "Keep .gpu-deps out of git (echo /.gpu-deps/ >> .git/info/exclude) and carry it to the GPU machine."
+    exit 0
+fi
+
+OUT="${OUT:-$REPO/gpu-check-out}"
+mkdir -p "$OUT" || exit 1
+exec > >(tee -a "$OUT/check.log") 2>&1
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null; then
+    if [ -d "$REPO/.gpu-deps" ]; then
+        export PYTHONPATH="$PYTHONPATH:$REPO/.gpu-deps"
+    fi
+fi
+
+failed=0
+step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, output also to LOG
+    local name="$1" limit="$2" log="$3"
+    shift 3
+    echo "=== $name (limit ${limit}s) ==="
+    local t0=$SECONDS rc
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - t0))s ==="
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi: not found"
+    "$PY" - <<'EOF'
+import sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+print("cuda available:", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device:", torch.cuda.get_device_name(0), "bf16:", torch.cuda.is_bf16_supported())
+for name in ("hydra", "omegaconf", "rich", "typer", "pytest"):
+    try:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"))
+    except ImportError as e:
+        print(name, "MISSING:", e, "(run `bash tests/gpu/check.sh prepare` where ampctl is installed)")
+EOF
+} | tee "$OUT/env.txt"
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device: nothing to check here (on CPU, pytest tests/gpu skips these tests)"
+    exit 1
+fi
+if ! "$PY" -c "import ampctl.config" 2>/dev/null; then
+    echo "ampctl cannot be imported (missing hydra-core/omegaconf?): run 'bash tests/gpu/check.sh prepare'"
+    echo "on a machine where ampctl is installed and carry .gpu-deps along"
+    exit 1
+fi
+
+step "pytest tests/gpu" 240 "$OUT/pytest.log" \
+    "$PY" -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider
+
+# stdout (the JSON) goes to its file; the progress lines (stderr) to the log
+step "ampctl bench conf=bert_large" 330 "$OUT/bench_bert_large.log" \
+    bash -c 'exec "$0" -m ampctl bench conf=bert_large --json >"$1"' "$PY" "$OUT/bench_bert_large.json"
+if [ -s "$OUT/bench_bert_large.json" ]; then
+    "$PY" - "$OUT/bench_bert_large.json" <<'EOF' | tee "$OUT/bench_bert_large.txt"
+import json, sys
+from rich.console import Console
+from ampctl.bench import print_report
+print_report(json.load(open(sys.argv[1])), Console(width=150, force_terminal=False))
+EOF
+fi
+
+echo "=== done: $failed step(s) failed; results in $OUT ==="
+exit "$failed"

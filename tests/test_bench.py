@@ -1,0 +1,221 @@
+"""``ampctl bench``: every section and key, exact host-read counts, sane ratios, bad input.
+
+Benchmarks are not tests: nothing here asserts a speed. The ratios must only be positive,
+finite numbers measured on this run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from ampctl.bench import SECTIONS, BenchError, bench, plan, print_report
+from ampctl.cli import app
+from tests.conftest import FAST
+
+runner = CliRunner()
+
+META_KEYS = {
+    "device",
+    "torch",
+    "threads",
+    "preset",
+    "model",
+    "params",
+    "precision",
+    "batch_size",
+    "seq_len",
+    "tokens_per_step",
+    "steps",
+    "wall_s",
+}
+OVERHEAD_KEYS = {
+    "ratio",
+    "total_ratio",
+    "protected_median_s",
+    "bare_median_s",
+    "pairs",
+    "warmup",
+    "log_every",
+    "log_steps",
+    "goal",
+    "protected",
+    "baseline",
+}
+OVERFLOW_KEYS = {
+    "ratio",
+    "naive_median_s",
+    "fused_median_s",
+    "repeats",
+    "layers",
+    "hidden_size",
+    "tensors",
+    "elements",
+    "device",
+    "finite",
+}
+HOST_READ_KEYS = {
+    "steps",
+    "standard",
+    "standard_total",
+    "standard_by_method",
+    "fused",
+    "fused_total",
+    "fused_by_method",
+    "fused_error",
+    "goal",
+}
+ROW_KEYS = {"step_s", "tokens_per_s", "speed_vs_fp32", "peak_mem_mib", "error"}
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def cli_json(tmp_path_factory):
+    """One real ``ampctl bench --json --steps 2`` on the tiny test model."""
+    runs = tmp_path_factory.mktemp("bench") / "runs"
+    result = runner.invoke(
+        app, ["bench", *FAST, f"trainer.runs_dir={runs}", "--steps", "2", "--json"]
+    )
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return result
+
+
+def test_json_has_every_section_and_key(cli_json):
+    res = json.loads(cli_json.stdout)  # stdout is the JSON and nothing else
+    assert set(res) == {"meta", *SECTIONS}
+    assert set(res["meta"]) == META_KEYS
+    assert set(res["overhead"]) == OVERHEAD_KEYS
+    assert set(res["overflow_check"]) == OVERFLOW_KEYS
+    assert set(res["host_reads"]) == HOST_READ_KEYS
+    assert set(res["precision"]) == {"timing", "memory_method", "steps", "rows"}
+    assert list(res["precision"]["rows"]) == ["fp32", "bf16", "fp16", "fp16-pure"]
+    for row in res["precision"]["rows"].values():
+        assert set(row) == ROW_KEYS
+    meta = res["meta"]
+    assert meta["device"] == "cpu" and meta["precision"] == "fp16" and meta["steps"] == 2
+    assert meta["preset"] == "config" and meta["model"] == "BertForMaskedLM 2x32"
+    assert meta["tokens_per_step"] == 4 * 16
+
+
+def test_progress_goes_to_stderr(cli_json):
+    lines = cli_json.stderr.strip().splitlines()
+    assert lines and all(line.startswith("bench: ") for line in lines)
+    assert any(line.startswith("bench: overhead:") for line in lines)
+    assert any(line.startswith("bench: precision:") for line in lines)
+
+
+def test_host_reads_are_exactly_one_and_zero(cli_json):
+    hr = json.loads(cli_json.stdout)["host_reads"]
+    n = plan(2)["host_read_steps"]
+    assert hr["steps"] == n
+    assert hr["standard"] == 1 and hr["standard_total"] == n
+    assert hr["standard_by_method"] == {"item": n}  # the scaler's skip flag, once a step
+    assert hr["fused"] == 0 and hr["fused_total"] == 0 and hr["fused_by_method"] == {}
+    assert hr["fused_error"] is None
+
+
+def test_ratios_and_times_are_positive_finite(cli_json):
+    res = json.loads(cli_json.stdout)
+    ov, oc = res["overhead"], res["overflow_check"]
+    for x in (ov["ratio"], ov["total_ratio"], ov["protected_median_s"], ov["bare_median_s"]):
+        assert _positive_finite(x)
+    for x in (oc["ratio"], oc["naive_median_s"], oc["fused_median_s"]):
+        assert _positive_finite(x)
+    for name, row in res["precision"]["rows"].items():
+        assert row["error"] is None, name
+        for key in ("step_s", "tokens_per_s", "speed_vs_fp32", "peak_mem_mib"):
+            assert _positive_finite(row[key]), (name, key, row[key])
+    assert res["precision"]["rows"]["fp32"]["speed_vs_fp32"] == 1.0
+    assert _positive_finite(res["meta"]["wall_s"])
+
+
+def test_counts_follow_the_plan(cli_json):
+    res = json.loads(cli_json.stdout)
+    n = plan(2)
+    ov = res["overhead"]
+    assert (ov["pairs"], ov["warmup"], ov["goal"]) == (
+        n["overhead_pairs"],
+        n["overhead_warmup"],
+        1.02,
+    )
+    # warm-up steps 1-2, timed steps 3-6; with log_every=4, step 4 is the one log step
+    assert (ov["log_every"], ov["log_steps"]) == (4, 1)
+    oc = res["overflow_check"]
+    assert oc["repeats"] == n["overflow_repeats"] and oc["layers"] == 24 and oc["finite"] is True
+    assert (
+        oc["tensors"] == 24 * 16 + 10
+    )  # 16 tensors a layer; embeddings 5, MLM head 5 (tied decoder)
+    assert res["precision"]["steps"] == n["precision_steps"]
+    assert "VmHWM" in res["precision"]["memory_method"]
+
+
+def test_report_prints_every_figure(cli_json):
+    res = json.loads(cli_json.stdout)
+    console = Console(record=True, width=200)
+    print_report(res, console=console)
+    text = console.export_text()
+    for fragment in (
+        "protected / bare",
+        "naive / fused",
+        "host reads / step",
+        "fused AdamW",
+        "fp16-pure",
+        "peak memory:",
+        f"{res['overhead']['ratio']:.3f}",
+    ):
+        assert fragment in text, fragment
+
+
+def test_library_runs_chosen_sections_and_counts_fp32_reads(fast_cfg):
+    # fp32: no loss scaling, but non-finite steps are still detected: the same 1 and 0
+    res = bench(fast_cfg("precision=fp32"), 2, sections=["host_reads"])
+    assert set(res) == {"meta", "host_reads"}
+    assert (res["host_reads"]["standard"], res["host_reads"]["fused"]) == (1, 0)
+    assert res["meta"]["params"] is None  # counted by the overhead section only
+
+
+def test_fused_path_missing_is_reported_not_raised(fast_cfg):
+    res = bench(fast_cfg("optim=sgd"), 2, sections=["host_reads"])
+    hr = res["host_reads"]
+    assert hr["standard"] == 1 and hr["fused"] is None
+    assert hr["fused_error"] == "optim.fused=true is only available with optim.name=adamw or adam"
+
+
+def test_bad_steps_and_sections_are_usage_errors(fast_cfg):
+    cfg = fast_cfg()
+    with pytest.raises(BenchError, match=r"^--steps 1: must be an integer >= 2$"):
+        bench(cfg, 1)
+    with pytest.raises(
+        BenchError, match=r"allowed sections are overhead, overflow_check, host_reads, precision"
+    ):
+        bench(cfg, 2, sections=["speed"])
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["foo=1"], "unknown key 'foo'"),
+        (["scaler.init_scale=0"], "scaler.init_scale must be a number > 0"),
+        (["conf=nope"], "conf=nope: no such preset"),
+    ],
+)
+def test_bad_override_exits_2_with_one_line(args, fragment):
+    result = runner.invoke(app, ["bench", *args])
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ampctl: error: "), err
+    assert fragment in err and "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_steps_below_two_is_refused_by_the_cli():
+    result = runner.invoke(app, ["bench", "--steps", "1"])
+    assert result.exit_code == 2
+    assert "--steps" in result.stderr
