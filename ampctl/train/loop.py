@@ -15,6 +15,7 @@ Skipped steps add the guard's attribution read; clean steps pay nothing more.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import signal
@@ -79,18 +80,9 @@ class TrainResult:
 
 
 def build_scaler(cfg: RunConfig, policy: PrecisionPolicy) -> LossScaler:
-    s = cfg.scaler
-    return LossScaler(
-        init_scale=s.init_scale,
-        growth_factor=s.growth_factor,
-        backoff_factor=s.backoff_factor,
-        growth_interval=s.growth_interval,
-        hysteresis=s.hysteresis,
-        min_scale=s.min_scale,
-        max_scale=s.max_scale,
-        enabled=policy.needs_scaler,
-        history_size=s.history_size,
-    )
+    """The run's LossScaler: ``scaler.*`` are its constructor arguments; scaling is on for the
+    fp16 family (bf16/fp32 still detect and skip non-finite steps)."""
+    return LossScaler(**dataclasses.asdict(cfg.scaler), enabled=policy.needs_scaler)
 
 
 @dataclass
@@ -168,18 +160,12 @@ class Trainer:
         self._apply_policy(precision, exempted)
         self.fwd_model = wrap_model(self.model, self.ctx, self.device)
         self._build_optim()
-        self.guard = OverflowGuard(
-            GuardRules(
-                rollback_after=cfg.guard.rollback_after,
-                max_rollbacks=cfg.guard.max_rollbacks,
-                skip_budget=cfg.guard.skip_budget,
-                skip_window=cfg.guard.skip_window,
-                skip_action=cfg.guard.skip_action,
-                floor_policy=cfg.guard.floor_policy,
-                fallback_chain=list(cfg.guard.fallback_chain),
-                bf16_ok=bf16_supported(self.device),
-            )
-        )
+        rules = {
+            f.name: getattr(cfg.guard, f.name)
+            for f in dataclasses.fields(GuardRules)
+            if hasattr(cfg.guard, f.name)
+        }
+        self.guard = OverflowGuard(GuardRules(**rules, bf16_ok=bf16_supported(self.device)))
         self.step = 0
         self.applied = 0  # optimizer steps actually applied (drives the lr schedule)
         self.events: list[dict[str, Any]] = []
@@ -484,8 +470,9 @@ class Trainer:
         return {"loss": loss_total, "skipped": skipped, "batches": batches, "stats": stats}
 
     # ------------------------------------------------------------------ guard
-    def _on_skip(self, out: dict[str, Any]) -> bool:
-        """Attribution and forward-overflow handling for a skipped step. Returns forward flag."""
+    def _on_skip(self, out: dict[str, Any]) -> tuple[bool, float]:
+        """Attribution and forward-overflow handling for a skipped step (reads the device: on
+        overflow steps only). Returns (forward overflow?, scale now)."""
         st = self.scaler.stats()  # a read, on overflow steps only
         fwd = st["forward_overflows"] > getattr(self, "_fwd_seen", 0)
         self._fwd_seen = st["forward_overflows"]
@@ -504,7 +491,7 @@ class Trainer:
         self.emit("overflow", msg, overflow=kind, params=names, scale=st["scale"])
         if fwd and g.locate_forward:
             self._locate_and_promote(out["batches"])
-        return fwd
+        return fwd, st["scale"]
 
     def _locate_and_promote(self, batches: list[dict[str, torch.Tensor]]) -> None:
         """Replay this step's batches with forward hooks and promote the first module whose
@@ -738,8 +725,8 @@ class Trainer:
                 acc.loss_n = finite.double() if acc.loss_n is None else acc.loss_n + finite.double()
                 acc.tokens += self.tokens_per_step
                 if self.cfg.guard.enabled and out["skipped"] is not None:
-                    fwd = self._on_skip(out) if out["skipped"] else False
-                    at_floor = self._at_floor(self.scaler.get_scale()) if out["skipped"] else False
+                    fwd, scale = self._on_skip(out) if out["skipped"] else (False, 0.0)
+                    at_floor = out["skipped"] and self._at_floor(scale)
                     decision = self.guard.observe(
                         step=self.step,
                         skipped=out["skipped"],
