@@ -51,11 +51,15 @@ def fault(trainer: Trainer, step: int, phase: str) -> None:
         trainer.model.amp.boost = 1000.0
     if step in (150, 151, 152) and not getattr(trainer, "_planted_" + str(step), False):
         setattr(trainer, "_planted_" + str(step), True)  # once: the rollback replays these steps
-        trainer.model.bert_mlm.bert.encoder.layer[0].output.dense.weight.grad.view(-1)[0] = float("inf")
+        trainer.model.bert_mlm.bert.encoder.layer[0].output.dense.weight.grad.view(-1)[0] = float(
+            "inf"
+        )
 
 
 def main() -> int:
-    cfg = load_config(["model._target_=__main__.PlantedBert", "trainer.max_steps=200", *sys.argv[1:]])
+    cfg = load_config(
+        ["model._target_=__main__.PlantedBert", "trainer.max_steps=200", *sys.argv[1:]]
+    )
     run_dir = new_run_dir(cfg.trainer.runs_dir, None, "planted")
     console = Console()
     with Display(cfg.trainer.max_steps, mode="plain", console=console) as display:
