@@ -746,10 +746,11 @@ class Trainer:
                 if log:
                     self._log(acc, out["stats"])
                     acc = self._acc = _LogAcc()
+                path = None
                 if self.step % cfg.ckpt_every == 0 or self.step == cfg.max_steps:
-                    self.save()
-                if self._stop_signal is not None and (not self.ctx.enabled or self._stop_agreed):
                     path = self.save()
+                if self._stop_signal is not None and (not self.ctx.enabled or self._stop_agreed):
+                    path = path or self.save()
                     name = "SIGINT" if self._stop_signal == signal.SIGINT else "SIGTERM"
                     self.emit(
                         "interrupt", f"{name}: stopped after step {self.step}, checkpoint {path}"
@@ -757,8 +758,12 @@ class Trainer:
                     status, code = "interrupted", 130 if self._stop_signal == signal.SIGINT else 143
                     break
         except TrainAborted:
-            self.save()
             status, code = "aborted", 1
+            try:
+                self.save()  # skipped steps never touched the weights: keep them for diagnose
+            except CheckpointWriteError as e:
+                self.failure = str(e)
+                self.emit("error", str(e))
         except CheckpointWriteError as e:
             self.failure = str(e)
             self.emit("error", str(e))
