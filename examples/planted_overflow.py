@@ -3,7 +3,7 @@
     python examples/planted_overflow.py
 
 The default tiny BERT gets an extra module, ``amp``, that squares its input through a large
-intermediate. From step 60 on that intermediate overflows in fp16 (it is fine in fp32): a
+intermediate. From step 61 on that intermediate overflows in fp16 (it is fine in fp32): a
 forward overflow that no loss scale can cure. From step 150 the gradients of one weight are
 made infinite for three steps in a row. The guard attributes, locates, promotes, rolls back,
 and the run ends with a finite loss.
