@@ -24,6 +24,7 @@ numbers are expected) are rendered as best as possible and never raise into the 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter, deque
@@ -108,14 +109,23 @@ def _fallback(x: Any) -> str:
     return s.replace("\n", " ")
 
 
-def fmt_float(x: Any, sig: int = 4) -> str:
+def _finite_number(fn):
+    """Decorator for formatters: non-numbers render as themselves, NaN/inf as ``nan``/``inf``;
+    the wrapped body only ever sees a finite float."""
+
+    @functools.wraps(fn)
+    def wrapper(x: Any, *args: Any, **kwargs: Any) -> str:
+        v = _as_float(x)
+        if v is None:
+            return _fallback(x)
+        return _nonfinite(v) or fn(v, *args, **kwargs)
+
+    return wrapper
+
+
+@_finite_number
+def fmt_float(v: float, sig: int = 4) -> str:
     """Compact general float: ``1.234``, ``0.045``, ``3.2e-05``, ``1.2e+06``, ``nan``."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
     if v == 0:
         return "0"
     a = abs(v)
@@ -124,61 +134,39 @@ def fmt_float(x: Any, sig: int = 4) -> str:
     return f"{v:.{sig}g}"
 
 
-def fmt_loss(x: Any) -> str:
+@_finite_number
+def fmt_loss(v: float) -> str:
     """Loss with 4 decimals in the usual range (``4.1234``), compact outside it."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
     if v == 0 or 1e-3 <= abs(v) < 1e4:
         return f"{v:.4f}"
     return f"{v:.3e}"
 
 
-def fmt_lr(x: Any) -> str:
+@_finite_number
+def fmt_lr(v: float) -> str:
     """Learning rate, always scientific: ``1.0e-04``."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    return _nonfinite(v) or f"{v:.1e}"
+    return f"{v:.1e}"
 
 
-def fmt_int(x: Any) -> str:
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
+@_finite_number
+def fmt_int(v: float) -> str:
     if v == int(v):
         return str(int(v))
     return fmt_float(v)
 
 
-def fmt_pct(x: Any) -> str:
+@_finite_number
+def fmt_pct(v: float) -> str:
     """Fraction 0..1 as a percentage; tiny but non-zero fractions are not rounded to 0."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
     p = v * 100.0
     if p != 0 and abs(p) < 0.1:
         return f"{p:.2g}%"
     return f"{p:.1f}%"
 
 
-def fmt_rate(x: Any) -> str:
+@_finite_number
+def fmt_rate(v: float) -> str:
     """Throughput with an SI suffix: ``950``, ``12.5k``, ``1.2M``."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
     a = abs(v)
     for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if a >= div:
@@ -186,14 +174,9 @@ def fmt_rate(x: Any) -> str:
     return f"{v:.3g}"
 
 
-def fmt_duration(x: Any) -> str:
+@_finite_number
+def fmt_duration(v: float) -> str:
     """Seconds as ``MM:SS`` or ``H:MM:SS``."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
     sign = "-" if v < 0 else ""
     s = int(round(abs(v)))
     h, rem = divmod(s, 3600)
@@ -210,14 +193,9 @@ def _pow2_exponent(v: float) -> int | None:
     return exp - 1 if mant == 0.5 else None
 
 
-def fmt_scale(x: Any, pow2: bool = True) -> str:
+@_finite_number
+def fmt_scale(v: float, pow2: bool = True) -> str:
     """Loss scale: ``1024 (2^10)``, ``0.5 (2^-1)``, ``1000`` (not a power of two), ``inf``."""
-    v = _as_float(x)
-    if v is None:
-        return _fallback(x)
-    bad = _nonfinite(v)
-    if bad:
-        return bad
     if v == int(v) and abs(v) < 1e9:
         base = str(int(v))
     else:
