@@ -209,3 +209,15 @@ def test_help_explains_every_command():
 def test_debug_flag_shows_the_traceback(runs):
     res = runner.invoke(app, ["--debug", *train_args(runs, "scaler.init_scale=0")])
     assert res.exit_code == 2 and "Traceback" in res.output + res.stderr
+
+
+def test_python_dash_m_entry_point():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ampctl", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0
+    for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot"):
+        assert cmd in out.stdout
