@@ -338,7 +338,10 @@ class GuardConfig:
             f"a list of {', '.join(PRECISIONS)}",
         )
         _need(
-            self.snapshot_every >= 1, "guard.snapshot_every", self.snapshot_every, "an integer >= 1"
+            self.snapshot_every >= 0,
+            "guard.snapshot_every",
+            self.snapshot_every,
+            "an integer >= 0 (0: no snapshots)",
         )
 
 

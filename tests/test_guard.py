@@ -202,3 +202,19 @@ def test_locator_ignores_intentional_minus_inf_masks():
         )
     assert first_bad(traces) is None and first_bad(back) is None
     assert len(traces) > 5 and len(back) > 5
+
+
+def test_snapshot_every_zero_keeps_no_copy_and_still_rolls_back(fast_cfg):
+    cfg = fast_cfg("guard.snapshot_every=0", "guard.rollback_after=2")
+    calls = {"n": 0}
+
+    def fault(tr, step, phase):
+        calls["n"] += 1
+        if calls["n"] in (5, 6):
+            next(iter(tr.params)).grad.view(-1)[0] = float("inf")
+        if calls["n"] == 4:
+            assert tr.snapshot is None  # no copy kept while training is clean
+
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "nosnap"), fault=fault)
+    kinds = [e["kind"] for e in read_jsonl(res.run_dir / "events.jsonl")]
+    assert kinds == ["overflow", "overflow", "rollback"] and res.status == "ok"

@@ -535,43 +535,46 @@ class Trainer:
         if decision.action is Action.ABORT:
             self.emit("abort", decision.reason)
             raise TrainAborted(decision.reason)
-        if self.snapshot is None:
-            self.take_snapshot()  # nothing better: restart from here (weights are never corrupted by a skip)
         old_scale = self.scaler.get_scale()
         decided_at = self.step
+        # with no snapshot (guard.snapshot_every=0) the current state is the restart point:
+        # skipped steps never touched it
         snap = self.snapshot
-        if decision.action is Action.ROLLBACK:
+        if snap is not None:
             self._restore(snap)  # the scaler keeps its counters: the skips happened
+        to_step = self.step
+        snap_scale = float(snap.scale.item()) if snap is not None else old_scale
+        if decision.action is Action.ROLLBACK:
             new_scale = max(
-                min(old_scale, float(snap.scale.item())) * self.cfg.guard.rollback_backoff,
+                min(old_scale, snap_scale) * self.cfg.guard.rollback_backoff,
                 self.scaler.min_scale,
             )
             self.scaler.update(new_scale=new_scale)
             self.guard.after_rollback()
             self.emit(
                 "rollback",
-                f"{decision.reason}: restored step {snap.step}, scale {old_scale:g} -> {new_scale:g}",
-                to_step=snap.step,
+                f"{decision.reason}: restored step {to_step}, scale {old_scale:g} -> {new_scale:g}",
+                to_step=to_step,
                 from_step=decided_at,
             )
             return
         # FALLBACK
         old = self.policy.name
-        self._restore(snap)
         counters = self.scaler.state_dict()
         self._switch_precision(decision.precision)
         if self.scaler.is_enabled():
-            counters["scale"] = float(snap.scale.item())
+            counters["scale"] = snap_scale
         self.scaler.load_state_dict(counters)
         self.guard.after_fallback()
         self.snapshot = None
-        self.take_snapshot()
+        if self.cfg.guard.snapshot_every > 0:
+            self.take_snapshot()
         self.emit(
             "fallback",
-            f"{decision.reason}; restored step {snap.step}",
+            f"{decision.reason}; restored step {to_step}",
             from_precision=old,
             to_precision=decision.precision,
-            to_step=snap.step,
+            to_step=to_step,
             from_step=decided_at,
         )
 
@@ -710,7 +713,8 @@ class Trainer:
         if self._tb_hint:
             self.emit("warning", self._tb_hint)
         try:
-            if self.cfg.guard.enabled and self.snapshot is None:
+            snapshots = self.cfg.guard.enabled and self.cfg.guard.snapshot_every > 0
+            if snapshots and self.snapshot is None:
                 self.take_snapshot()
             while self.step < cfg.max_steps:
                 log = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == cfg.max_steps
@@ -735,7 +739,7 @@ class Trainer:
                         precision=self.policy.name,
                     )
                     self._apply(decision)
-                    if not out["skipped"]:
+                    if snapshots and not out["skipped"]:
                         self._clean_since_snapshot += 1
                         if (
                             self._clean_since_snapshot >= self.cfg.guard.snapshot_every
