@@ -274,7 +274,3 @@ class PrecisionPolicy:
         else:
             module.forward = orig
         self.exempted.remove(name)
-
-    def describe(self) -> str:
-        extra = f", fp32 modules: {', '.join(self.exempted)}" if self.exempted else ""
-        return f"{self.name}{extra}"

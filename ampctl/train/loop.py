@@ -31,7 +31,7 @@ from torch import nn
 from ampctl.amp import LossScaler, PrecisionPolicy, bf16_supported, nonfinite_tensor_names
 from ampctl.amp.guard import Action, GuardRules, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
-from ampctl.config import RunConfig, config_from_dict, to_yaml
+from ampctl.config import RunConfig, to_yaml
 from ampctl.monitor.sinks import make_tensorboard_sink
 from ampctl.monitor.stats import grad_stats
 from ampctl.train.builders import (
@@ -861,8 +861,3 @@ def train(
     trainer = Trainer(cfg, run_dir, display=display, resume=ck, fault=fault)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return trainer.run()
-
-
-def config_of_checkpoint(ck: dict[str, Any]) -> RunConfig:
-    """The validated config stored in a checkpoint."""
-    return config_from_dict(ck["config"])
