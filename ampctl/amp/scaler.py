@@ -137,29 +137,12 @@ class LossScaler:
         history_size: int = 1024,
     ) -> None:
         _check_range("init_scale", init_scale, _finite_pos(init_scale), "a finite number > 0")
-        _check_range(
-            "growth_factor", growth_factor, _finite(growth_factor) and growth_factor > 1, "> 1"
-        )
-        _check_range(
-            "backoff_factor",
-            backoff_factor,
-            _finite(backoff_factor) and 0 < backoff_factor < 1,
-            "in (0, 1)",
-        )
-        _check_range(
-            "growth_interval",
-            growth_interval,
-            _is_int(growth_interval) and growth_interval >= 1,
-            "an integer >= 1",
-        )
-        _check_range(
-            "hysteresis", hysteresis, _is_int(hysteresis) and hysteresis >= 1, "an integer >= 1"
-        )
-        _check_range("min_scale", min_scale, _finite_pos(min_scale), "a finite number > 0")
-        _check_range("max_scale", max_scale, _finite_pos(max_scale), "a finite number > 0")
-        _check_range(
-            "min_scale", min_scale, min_scale <= max_scale, f"<= max_scale ({max_scale!r})"
-        )
+        # the setters validate (one place for each rule, shared with later changes)
+        self.set_growth_factor(growth_factor)
+        self.set_backoff_factor(backoff_factor)
+        self.set_growth_interval(growth_interval)
+        self.set_hysteresis(hysteresis)
+        self.set_bounds(min_scale, max_scale)
         _check_range(
             "history_size",
             history_size,
@@ -168,12 +151,6 @@ class LossScaler:
         )
         self._enabled = bool(enabled)
         self._check_finite = bool(check_finite) or self._enabled
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self._hysteresis = int(hysteresis)
-        self._min_scale = float(min_scale)
-        self._max_scale = float(max_scale)
         self._history_size = int(history_size)
         # Values the device tensors start from (lazily created on the first scale(), on the
         # loss's device, as GradScaler does); load_state_dict before that lands here.
