@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from ampctl.amp.guard import Action, GuardRules, Observation, decide, next_precision
 from ampctl.amp.locate import first_bad, trace_modules
@@ -56,30 +57,19 @@ def test_floor_policies_and_chain():
     assert next_precision("fp32", ["fp16", "bf16", "fp32"]) is None
 
 
-class Amplifier(nn.Module):
-    """Squares its input through a large intermediate: fine in fp32, inf in fp16 once boosted."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-        self.boost = 1.0
-
-    def forward(self, x):
-        h = self.lin(x) * self.boost
-        return 0.1 * (h * h) / (self.boost * self.boost)
+def _load_example():
+    """The model of examples/planted_overflow.py (the README walkthrough), so the test and the
+    example cannot drift apart."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "planted_overflow.py"
+    spec = importlib.util.spec_from_file_location("ampctl_example_planted", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class Planted(nn.Module):
-    """A BERT with an Amplifier between the embeddings and the encoder."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__()
-        self.bert_mlm = BertForMaskedLM(**kw)
-        self.amp = Amplifier(kw["hidden_size"])
-        self.bert_mlm.bert.embeddings.register_forward_hook(lambda m, i, o: o + self.amp(o))
-
-    def forward(self, input_ids, attention_mask=None, labels=None):
-        return self.bert_mlm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+# a BERT with an Amplifier (fine in fp32, inf in fp16 once its `boost` is raised) between the
+# embeddings and the encoder; reachable as model._target_=tests.test_guard.Planted
+Planted = _load_example().PlantedBert
 
 
 def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
