@@ -85,6 +85,14 @@ def train(
             help="Continue a run: its folder (latest checkpoint) or a checkpoint file. Overrides may change e.g. trainer.max_steps.",
         ),
     ] = None,
+    trust_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-code",
+            help="With --resume: allow the checkpoint's model._target_ even if it does not ship "
+            "with ampctl (a checkpoint is data; by default nothing it names is imported).",
+        ),
+    ] = False,
     print_config: Annotated[
         bool, typer.Option("--print-config", help="Print the composed, resolved config and exit.")
     ] = False,
@@ -108,6 +116,7 @@ def train(
             config_dir=config_dir,
             name=name,
             resume=resume,
+            trust_code=trust_code,
             print_config=print_config,
             mode="quiet" if quiet else ("plain" if plain else "auto"),
         )

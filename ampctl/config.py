@@ -23,7 +23,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ampctl.errors import UsageError
+from ampctl.compose import OVERRIDE_FORMS, parse_overrides
+from ampctl.errors import ConfigError, UsageError, first_line
 
 __all__ = [
     "ConfigError",
@@ -35,10 +36,6 @@ __all__ = [
     "available_presets",
     "split_overrides",
 ]
-
-
-class ConfigError(UsageError):
-    """Bad user input in the config: the message is one line meant for the user."""
 
 
 def packaged_conf_dir() -> Path:
@@ -417,16 +414,7 @@ def _group_options(group: str, config_dir: str | Path | None) -> list[str]:
 
 
 def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -> DictConfig:
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import (
-        ConfigCompositionException,
-        HydraException,
-        MissingConfigException,
-        OverrideParseException,
-    )
-    from hydra.types import RunMode
+    from ampctl.compose import compose_preset, hydra_errors
 
     if config_dir is not None:
         cdir = Path(config_dir).expanduser()
@@ -434,45 +422,28 @@ def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -
             raise ConfigError(
                 f"--config-dir {str(config_dir)!r} is not a folder: give a folder of YAML configs"
             )
-    search = create_config_search_path(None)
-    search.prepend("ampctl", f"file://{packaged_conf_dir()}")
-    if config_dir is not None:
-        search.prepend("ampctl-user", f"file://{Path(config_dir).expanduser().resolve()}")
     if preset not in available_presets(config_dir):
         raise ConfigError(
             f"conf={preset}: no such preset; available: {', '.join(available_presets(config_dir))}"
             + ("" if config_dir else " (add your own with --config-dir DIR)")
         )
-    gh = GlobalHydra.instance()
-    gh.clear()
+    dirs = ([Path(config_dir)] if config_dir is not None else []) + [packaged_conf_dir()]
+    err = hydra_errors()
     try:
-        hydra = Hydra.create_main_hydra2(task_name="ampctl", config_search_path=search)
-        cfg = hydra.compose_config(
-            preset, overrides, run_mode=RunMode.RUN, with_log_configuration=False
-        )
-    except OverrideParseException as e:
-        raise ConfigError(
-            f"cannot parse override: {_first_line(e)} (use key=value, +key=value or ~key)"
-        ) from None
-    except MissingConfigException as e:
+        return compose_preset(preset, overrides, dirs)
+    except err["parse"] as e:
+        raise ConfigError(f"cannot parse override: {first_line(e)}; {OVERRIDE_FORMS}") from None
+    except err["missing"] as e:
         raise ConfigError(_missing_option_message(e, overrides, config_dir)) from None
-    except ConfigCompositionException as e:
+    except err["composition"] as e:
         raise ConfigError(_composition_message(e)) from None
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_first_line(e)) from None
+    except (err["hydra"], OmegaConfBaseException) as e:
+        raise ConfigError(first_line(e)) from None
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        if isinstance(e, UsageError):
+            raise
         # Hydra raises plain exceptions for some malformed overrides (e.g. model=0)
-        raise ConfigError(f"cannot apply the overrides {overrides}: {_first_line(e)}") from None
-    finally:
-        gh.clear()
-    with open_dict(cfg):
-        cfg.pop("hydra", None)
-    return cfg
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise ConfigError(f"cannot apply the overrides {overrides}: {first_line(e)}") from None
 
 
 def _missing_option_message(e: Exception, overrides: list[str], config_dir) -> str:
@@ -484,7 +455,7 @@ def _missing_option_message(e: Exception, overrides: list[str], config_dir) -> s
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         return f"{m.group(1)}: not a config group; to set a value use {m.group(1)}.KEY=VALUE"
-    return _first_line(e)
+    return first_line(e)
 
 
 def _composition_message(e: Exception) -> str:
@@ -503,7 +474,7 @@ def _composition_message(e: Exception) -> str:
     )
     if m:
         return f"~{m.group(1)}: no such key to delete{_did_you_mean(m.group(1))}"
-    return _first_line(e)
+    return first_line(e)
 
 
 def _all_keys() -> list[str]:
@@ -549,9 +520,9 @@ def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
     except ValueError as e:  # __post_init__ checks
-        raise ConfigError(_first_line(e)) from None
+        raise ConfigError(first_line(e)) from None
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
-        raise ConfigError(f"invalid config: {_first_line(e)}") from None
+        raise ConfigError(f"invalid config: {first_line(e)}") from None
     assert isinstance(obj, RunConfig)
     return obj
 
@@ -598,15 +569,7 @@ def to_yaml(cfg: RunConfig) -> str:
 def _compose_free_overrides(base: DictConfig, overrides: list[str]) -> DictConfig:
     """Apply Hydra-syntax overrides (``key=value``, ``+key=value``, ``~key``) to a saved config
     (a resumed run's). Config groups cannot be switched here."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except OverrideParseException as e:
-        raise ConfigError(
-            f"cannot parse override: {_first_line(e)} (use key=value, +key=value or ~key)"
-        ) from None
+    parsed = parse_overrides(overrides)
     cfg = copy_cfg(base)
     for o in parsed:
         key = o.key_or_group
@@ -644,3 +607,31 @@ def _compose_free_overrides(base: DictConfig, overrides: list[str]) -> DictConfi
 
 def copy_cfg(cfg: DictConfig) -> DictConfig:
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+
+
+def config_from_saved(
+    saved: dict[str, Any],
+    overrides: list[str] | None = None,
+    *,
+    source: str,
+    trust_code: bool = False,
+) -> RunConfig:
+    """A config read from a checkpoint or a run folder, with the user's ``key=value`` overrides
+    on top, validated. The saved part is data (see :mod:`ampctl.trust`): an interpolation in it
+    is refused, and a ``_target_`` that does not ship with ampctl is refused unless
+    ``trust_code`` or the user gave the same target as an override. Raises
+    :class:`~ampctl.trust.UntrustedConfigError` or :class:`ConfigError`."""
+    from ampctl.trust import check_targets, refuse_interpolations
+
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{source}: holds no config (expected a mapping of keys)")
+    overrides = list(overrides or [])
+    refuse_interpolations(saved, source=source)
+    merged = _compose_free_overrides(OmegaConf.create(saved), overrides)
+    check_targets(
+        OmegaConf.to_container(merged, resolve=False),
+        source=source,
+        trust_code=trust_code,
+        overrides=overrides,
+    )
+    return config_from_dict(merged)

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+__all__ = ["UsageError", "ConfigError", "first_line"]
+
 
 class UsageError(ValueError):
     """Bad user input: a config key, a path, a checkpoint, a name. The message is one line
     naming the input and what is allowed."""
+
+
+class ConfigError(UsageError):
+    """Bad user input in the config: the message is one line meant for the user."""
+
+
+def first_line(e: BaseException | str) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    text = str(e).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(e).__name__ if isinstance(e, BaseException) else ""

@@ -9,19 +9,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ampctl.config import ConfigError, config_from_dict, load_config, split_overrides, to_yaml
+from ampctl.config import ConfigError, config_from_saved, load_config, split_overrides, to_yaml
 
 __all__ = ["run_train", "resume_config"]
 
 
-def resume_config(ckpt: dict, overrides: list[str]):
-    """The checkpoint's config with plain ``key=value`` overrides applied on top."""
-    from omegaconf import OmegaConf
-
-    from ampctl.config import _compose_free_overrides
-
-    base = OmegaConf.create(ckpt["config"])
-    return config_from_dict(_compose_free_overrides(base, overrides))
+def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
+    """The checkpoint's config with plain ``key=value`` overrides applied on top (the saved
+    config is data: see :func:`ampctl.config.config_from_saved`)."""
+    return config_from_saved(
+        ckpt["config"], overrides, source=f"checkpoint {ckpt.get('path')}", trust_code=trust_code
+    )
 
 
 def run_train(
@@ -30,6 +28,7 @@ def run_train(
     config_dir: Path | None = None,
     name: str | None = None,
     resume: Path | None = None,
+    trust_code: bool = False,
     print_config: bool = False,
     mode: str = "auto",
     console: Console | None = None,
@@ -49,7 +48,7 @@ def run_train(
             raise ConfigError(
                 "conf= cannot be combined with --resume: the run keeps the config it was started with"
             )
-        cfg = resume_config(ck, rest)
+        cfg = resume_config(ck, rest, trust_code)
     else:
         cfg = load_config(overrides, config_dir)
         preset, _ = split_overrides(overrides)

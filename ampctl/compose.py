@@ -1,0 +1,88 @@
+"""The one place ampctl talks to Hydra: parse override tokens, compose a preset.
+
+Hydra's public ``compose`` API cannot search the user's ``--config-dir`` *before* the packaged
+``conf/`` for the primary config (``hydra.searchpath`` entries are not searched for it), so the
+composition is done with Hydra's ``Hydra.create_main_hydra2`` behind this wall; nothing else in
+ampctl imports Hydra.
+
+Errors are :class:`~ampctl.errors.UsageError` lines that name the override token at fault.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ampctl.errors import ConfigError, first_line
+
+__all__ = ["OverrideError", "parse_overrides", "compose_preset", "OVERRIDE_FORMS"]
+
+OVERRIDE_FORMS = "use key=value, +key=value or ~key (a list as key=[a,b])"
+
+
+class OverrideError(ConfigError):
+    """An override token that cannot be parsed or applied."""
+
+
+def parse_overrides(tokens: list[str], *, forms: str = OVERRIDE_FORMS) -> list[Any]:
+    """Hydra ``Override`` objects for ``tokens``; a token that does not parse is named."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    out = []
+    for tok in tokens:
+        try:
+            out.extend(parser.parse_overrides([tok]))
+        except OverrideParseException as e:
+            raise OverrideError(
+                f"cannot parse override {tok!r}: {first_line(e)}; {forms}"
+            ) from None
+        if not out[-1].key_or_group:
+            raise OverrideError(f"cannot parse override {tok!r}: no key before '='; {forms}")
+    return out
+
+
+def compose_preset(preset: str, overrides: list[str], search_dirs: list[Path]) -> Any:
+    """Compose ``preset`` with ``overrides`` over ``search_dirs`` (first wins). Returns the
+    DictConfig (without its ``hydra`` node). Hydra's own exceptions propagate for the caller to
+    word: see :func:`hydra_errors`."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    parse_overrides(overrides)  # name a malformed token before Hydra words it without one
+    search = create_config_search_path(None)
+    for i, d in enumerate(reversed(search_dirs)):
+        search.prepend(f"ampctl-{i}", f"file://{Path(d).expanduser().resolve()}")
+    gh = GlobalHydra.instance()
+    gh.clear()
+    try:
+        hydra = Hydra.create_main_hydra2(task_name="ampctl", config_search_path=search)
+        cfg = hydra.compose_config(
+            preset, overrides, run_mode=RunMode.RUN, with_log_configuration=False
+        )
+    finally:
+        gh.clear()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
+
+
+def hydra_errors() -> dict[str, type[BaseException]]:
+    """Hydra's exception types, by name, for callers that word them."""
+    from hydra.errors import (
+        ConfigCompositionException,
+        HydraException,
+        MissingConfigException,
+        OverrideParseException,
+    )
+
+    return {
+        "parse": OverrideParseException,
+        "missing": MissingConfigException,
+        "composition": ConfigCompositionException,
+        "hydra": HydraException,
+    }

@@ -1,0 +1,125 @@
+"""File names of a run folder (the only place they are spelled)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RunLayout", "is_run_dir", "CHECKPOINT_NAME"]
+
+#: ``checkpoints/step_00000100.pt``: eight or more digits of the step.
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where each file of a run folder (or of an archived branch inside it) lives."""
+
+    root: Path
+
+    CONFIG = "config.yaml"
+    METRICS = "metrics.jsonl"
+    EVENTS = "events.jsonl"
+    SUMMARY = "summary.json"
+    PLOT = "plot.png"
+    CHECKPOINTS = "checkpoints"
+    BRANCHES = "branches"
+    BRANCH = "branch.json"  # inside an archived branch: where it forked, why
+    PARENT = "parent.json"  # in a run forked from another run's checkpoint
+    TENSORBOARD = "tensorboard"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / self.CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / self.METRICS
+
+    @property
+    def events(self) -> Path:
+        return self.root / self.EVENTS
+
+    @property
+    def summary(self) -> Path:
+        return self.root / self.SUMMARY
+
+    @property
+    def plot(self) -> Path:
+        return self.root / self.PLOT
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / self.CHECKPOINTS
+
+    @property
+    def branches_dir(self) -> Path:
+        return self.root / self.BRANCHES
+
+    @property
+    def branch_info(self) -> Path:
+        return self.root / self.BRANCH
+
+    @property
+    def parent(self) -> Path:
+        return self.root / self.PARENT
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / self.TENSORBOARD
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints_dir / f"step_{int(step):08d}.pt"
+
+    def checkpoint_tmp(self, step: int) -> Path:
+        return self.checkpoints_dir / f".step_{int(step):08d}.pt.tmp"
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first (temp files are ignored)."""
+        return list_checkpoints(self.checkpoints_dir)
+
+    def latest_checkpoint(self) -> Path | None:
+        ckpts = self.checkpoints()
+        return ckpts[-1] if ckpts else None
+
+    @classmethod
+    def of_checkpoint(cls, ckpt: str | Path) -> RunLayout | None:
+        """The run folder a checkpoint file sits in (``<run>/checkpoints/step_*.pt``), or None."""
+        p = Path(ckpt)
+        if p.parent.name == cls.CHECKPOINTS and CHECKPOINT_NAME.match(p.name):
+            return cls(p.parent.parent)
+        return None
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """``step_*.pt`` files of a folder, oldest first."""
+    d = Path(folder)
+    if not d.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in d.iterdir()
+        if (m := CHECKPOINT_NAME.match(p.name)) and p.is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step in a checkpoint's file name, or None for another name."""
+    m = CHECKPOINT_NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether a folder looks like a run folder (metrics, events, summary or checkpoints)."""
+    lay = RunLayout(Path(path))
+    return Path(path).is_dir() and (
+        lay.metrics.is_file()
+        or lay.events.is_file()
+        or lay.summary.is_file()
+        or bool(lay.checkpoints())
+    )

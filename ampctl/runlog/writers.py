@@ -1,0 +1,84 @@
+"""Writing a run folder: atomic where a half-written file would mislead (config, summary,
+trimmed JSONL), appends for the logs (a crash cuts at most the last line, which the readers skip).
+
+Non-finite numbers are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every file is
+strict JSON (``jq``, pandas and other tools read it); :func:`~ampctl.runlog.readers.as_number`
+reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from .layout import RunLayout
+
+__all__ = ["RunWriter", "atomic_write_text", "dumps_row", "jsonable"]
+
+
+def jsonable(obj: Any) -> Any:
+    """A copy of ``obj`` that ``json.dumps`` writes as strict JSON (non-finite floats as
+    strings, tensors as lists, tuples as lists, anything else unknown as its ``str``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    tolist = getattr(obj, "tolist", None)  # tensors, numpy values
+    if callable(tolist):
+        return jsonable(tolist())
+    return str(obj)
+
+
+def dumps_row(row: dict[str, Any]) -> str:
+    """One JSONL line (no newline)."""
+    return json.dumps(jsonable(row), allow_nan=False)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and a rename: readers
+    see the old file or the new one, never half of one. The temp file is removed on failure."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class RunWriter:
+    """Appends metrics and events to a run folder, writes its config and summary."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.layout = RunLayout(Path(root))
+
+    def write_config(self, yaml_text: str) -> None:
+        atomic_write_text(self.layout.config, yaml_text)
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        self._append(self.layout.metrics, row)
+
+    def event(self, event: dict[str, Any]) -> None:
+        self._append(self.layout.events, event)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(self.layout.summary, json.dumps(jsonable(summary), indent=2) + "\n")
+
+    def write_json(self, path: Path, obj: dict[str, Any]) -> None:
+        atomic_write_text(path, json.dumps(jsonable(obj), indent=2) + "\n")
+
+    @staticmethod
+    def _append(path: Path, row: dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.write(dumps_row(row) + "\n")
