@@ -108,7 +108,7 @@ def train(
     Writes runs/<name>/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json.
     Ctrl-C finishes the current step, writes a checkpoint and prints how to resume.
     """
-    from ampctl.tasks import run_train
+    from ampctl.commands.train import run_train
 
     try:
         code = run_train(
@@ -248,7 +248,7 @@ def bench(
 ) -> None:
     """Measure what protection costs: overhead vs a bare GradScaler loop, fused vs per-parameter
     overflow check, host reads per step, and a precision table (step time, tokens/s, memory)."""
-    from ampctl.bench import run_bench
+    from ampctl.commands.bench import run_bench
 
     _at_least("--steps", steps, 2)
 
@@ -277,7 +277,7 @@ def plot(
 ) -> None:
     """Draw a run (loss, scale with skipped steps, overflow rate, grad norm and underflow, guard
     events) or a sweep (heat map and scale trajectories) into a PNG. Needs matplotlib."""
-    from ampctl.plot import run_plot
+    from ampctl.commands.plot import run_plot
 
     try:
         code = run_plot(path=path, out=out, baseline=baseline)

@@ -23,8 +23,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ampctl.amp.checks import FieldError
+from ampctl.amp.precision import PrecisionConfig
 from ampctl.compose import OVERRIDE_FORMS, parse_overrides
 from ampctl.errors import ConfigError, UsageError, first_line
+from ampctl.train.builders import OptimConfig
+from ampctl.train.dist import DistConfig
+from ampctl.train.logger import LoggingConfig
+from ampctl.train.protection import GuardConfig
+from ampctl.train.trainer import TrainerConfig
 
 __all__ = [
     "ConfigError",
@@ -61,38 +68,6 @@ def _show(v: Any) -> str:
 
 def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    max_steps: int = 200
-    log_every: int = 10
-    ckpt_every: int = 100
-    keep_last: int = 3
-    grad_accum_steps: int = 1
-    seed: int = 0
-    device: str = "auto"
-    runs_dir: str = "runs"
-    overflow_window: int = 50
-
-    def __post_init__(self) -> None:
-        for k in (
-            "max_steps",
-            "log_every",
-            "ckpt_every",
-            "keep_last",
-            "grad_accum_steps",
-            "overflow_window",
-        ):
-            _need(getattr(self, k) >= 1, f"trainer.{k}", getattr(self, k), "an integer >= 1")
-        _need(self.seed >= 0, "trainer.seed", self.seed, "an integer >= 0")
-        _need(
-            self.device in ("auto", "cpu", "cuda")
-            or re.fullmatch(r"cuda:\d+", self.device) is not None,
-            "trainer.device",
-            self.device,
-            "one of auto, cpu, cuda, cuda:N",
-        )
 
 
 @dataclass(kw_only=True)
@@ -133,78 +108,6 @@ class DataConfig:
                 self.vocab_size,
                 "260 with data=text (byte-level tokenizer)",
             )
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    fused: bool = False
-    clip_grad_norm: float | None = 1.0
-    schedule: str = "cosine"
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        _need(
-            self.name in ("adamw", "adam", "sgd"),
-            "optim.name",
-            self.name,
-            "one of adamw, adam, sgd",
-        )
-        _need(_finite(self.lr) and self.lr > 0, "optim.lr", self.lr, "a number > 0")
-        _need(
-            _finite(self.weight_decay) and self.weight_decay >= 0,
-            "optim.weight_decay",
-            self.weight_decay,
-            "a number >= 0",
-        )
-        _need(
-            len(self.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in self.betas),
-            "optim.betas",
-            list(self.betas),
-            "two numbers in [0, 1), e.g. [0.9,0.999]",
-        )
-        _need(_finite(self.eps) and self.eps > 0, "optim.eps", self.eps, "a number > 0")
-        _need(
-            self.clip_grad_norm is None
-            or (_finite(self.clip_grad_norm) and self.clip_grad_norm > 0),
-            "optim.clip_grad_norm",
-            self.clip_grad_norm,
-            "a number > 0, or null to disable clipping",
-        )
-        _need(
-            self.schedule in ("cosine", "linear", "constant"),
-            "optim.schedule",
-            self.schedule,
-            "one of cosine, linear, constant",
-        )
-        _need(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
-        _need(
-            _finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-            "optim.min_lr_ratio",
-            self.min_lr_ratio,
-            "in [0, 1]",
-        )
-
-
-@dataclass(kw_only=True)
-class PrecisionConfig:
-    name: str = "fp16"
-    fp32_modules: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        from ampctl.amp.precision import PRECISIONS
-
-        _need(
-            self.name in PRECISIONS,
-            "precision.name",
-            self.name,
-            f"one of {', '.join(PRECISIONS)} (select with precision=NAME)",
-        )
 
 
 @dataclass(kw_only=True)
@@ -265,97 +168,6 @@ class ScalerConfig:
             f"<= scaler.max_scale ({self.max_scale})",
         )
         _need(self.history_size >= 1, "scaler.history_size", self.history_size, "an integer >= 1")
-
-
-@dataclass(kw_only=True)
-class GuardConfig:
-    """Rules of :class:`ampctl.amp.guard.OverflowGuard` (see its docstring)."""
-
-    enabled: bool = True
-    attribution: bool = True
-    attribution_limit: int = 5
-    locate_forward: bool = True
-    promote: bool = True
-    rollback_after: int = 3
-    rollback_backoff: float = 0.25
-    max_rollbacks: int = 5
-    skip_budget: float = 0.5
-    skip_window: int = 50
-    skip_action: str = "rollback"
-    floor_policy: str = "fallback"
-    fallback_chain: list[str] = field(default_factory=lambda: ["fp16", "bf16", "fp32"])
-    snapshot_every: int = 10
-
-    def __post_init__(self) -> None:
-        from ampctl.amp.precision import PRECISIONS
-
-        _need(
-            self.attribution_limit >= 1,
-            "guard.attribution_limit",
-            self.attribution_limit,
-            "an integer >= 1",
-        )
-        _need(
-            self.rollback_after >= 0,
-            "guard.rollback_after",
-            self.rollback_after,
-            "an integer >= 0 (0 disables rollback)",
-        )
-        _need(
-            _finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
-            "guard.rollback_backoff",
-            self.rollback_backoff,
-            "in (0, 1]",
-        )
-        _need(self.max_rollbacks >= 0, "guard.max_rollbacks", self.max_rollbacks, "an integer >= 0")
-        _need(
-            _finite(self.skip_budget) and 0 < self.skip_budget <= 1,
-            "guard.skip_budget",
-            self.skip_budget,
-            "in (0, 1]",
-        )
-        _need(self.skip_window >= 1, "guard.skip_window", self.skip_window, "an integer >= 1")
-        _need(
-            self.skip_action in ("rollback", "fallback", "abort", "warn"),
-            "guard.skip_action",
-            self.skip_action,
-            "one of rollback, fallback, abort, warn",
-        )
-        _need(
-            self.floor_policy in ("fallback", "abort", "warn"),
-            "guard.floor_policy",
-            self.floor_policy,
-            "one of fallback, abort, warn",
-        )
-        bad = [p for p in self.fallback_chain if p not in PRECISIONS]
-        _need(
-            not bad,
-            "guard.fallback_chain",
-            list(self.fallback_chain),
-            f"a list of {', '.join(PRECISIONS)}",
-        )
-        _need(
-            self.snapshot_every >= 0,
-            "guard.snapshot_every",
-            self.snapshot_every,
-            "an integer >= 0 (0: no snapshots)",
-        )
-
-
-@dataclass(kw_only=True)
-class DistConfig:
-    """Data parallelism under torchrun (ignored in a single process)."""
-
-    strategy: str = "ddp"
-
-    def __post_init__(self) -> None:
-        _need(self.strategy in ("ddp", "fsdp"), "dist.strategy", self.strategy, "one of ddp, fsdp")
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    tensorboard: bool = False
-    plot: bool = True
 
 
 @dataclass(kw_only=True)
@@ -502,6 +314,15 @@ def _allowed_keys(prefix: str) -> list[str]:
     return sorted({k[len(p) :].split(".")[0] for k in _all_keys() if k.startswith(p)})
 
 
+def _group_of(owner: str) -> str:
+    """The config group (``guard``, ``trainer`` ...) whose dataclass is named ``owner``."""
+    for f in fields(RunConfig):
+        default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if default is not None and type(default).__name__ == owner:
+            return f.name
+    return ""
+
+
 def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
     """Validate a plain (composed or saved) config into a :class:`RunConfig`."""
     schema = OmegaConf.structured(RunConfig)
@@ -519,6 +340,8 @@ def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
         raise
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
+    except FieldError as e:  # a component's own check: name the group too
+        raise ConfigError(e.named(_group_of(e.owner))) from None
     except ValueError as e:  # __post_init__ checks
         raise ConfigError(first_line(e)) from None
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
@@ -550,6 +373,19 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     if "Interpolation" in text or "interpolation" in text:
         return f"{key}: {text}"
     return f"{key}: {text}" if key else text
+
+
+def with_changes(cfg: RunConfig, **groups: dict[str, Any]) -> RunConfig:
+    """A copy of ``cfg`` with some keys of some groups replaced, re-validated (a bad value is a
+    :class:`ConfigError` naming ``group.key``)."""
+    import copy
+    import dataclasses
+
+    try:
+        changes = {g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()}
+    except FieldError as e:
+        raise ConfigError(e.named(_group_of(e.owner))) from None
+    return dataclasses.replace(copy.deepcopy(cfg), **changes)
 
 
 def load_config(

@@ -63,7 +63,7 @@ from rich.live import Live
 from rich.table import Table
 
 from ampctl.config import ConfigError, RunConfig, load_config, split_overrides
-from ampctl.monitor.display import fmt_float, fmt_loss, fmt_pct, fmt_scale
+from ampctl.ui.display import fmt_float, fmt_loss, fmt_pct, fmt_scale
 
 __all__ = [
     "COLUMNS",

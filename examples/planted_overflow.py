@@ -18,10 +18,10 @@ from rich.console import Console
 from torch import nn
 
 from ampctl.config import load_config
-from ampctl.monitor.display import Display
-from ampctl.train.loop import Trainer
 from ampctl.train.models import BertForMaskedLM
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import Trainer
+from ampctl.ui.display import Display
 
 
 class Amplifier(nn.Module):
@@ -66,7 +66,7 @@ def main() -> int:
         trainer = Trainer(cfg, run_dir, display=display, fault=fault)
         result = trainer.run()
     display.summary(result.summary)
-    from ampctl.plot import maybe_plot_run
+    from ampctl.commands.plot import maybe_plot_run
 
     print(maybe_plot_run(run_dir))
     return result.exit_code

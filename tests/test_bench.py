@@ -13,8 +13,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from ampctl.bench import SECTIONS, BenchError, bench, plan, print_report
 from ampctl.cli import app
+from ampctl.commands.bench import SECTIONS, BenchError, bench, plan, print_report
 from tests.conftest import FAST
 
 runner = CliRunner()
@@ -185,7 +185,10 @@ def test_fused_path_missing_is_reported_not_raised(fast_cfg):
     res = bench(fast_cfg("optim=sgd"), 2, sections=["host_reads"])
     hr = res["host_reads"]
     assert hr["standard"] == 1 and hr["fused"] is None
-    assert hr["fused_error"] == "optim.fused=true is only available with optim.name=adamw or adam"
+    assert hr["fused_error"] == (
+        "optim.fused=True is not allowed: optim.fused must be false unless optim.name is adamw "
+        "or adam (fused SGD cannot skip on the device)"
+    )
 
 
 def test_bad_steps_and_sections_are_usage_errors(fast_cfg):

@@ -11,8 +11,8 @@ import math
 import pytest
 
 from ampctl.config import load_config
-from ampctl.train.loop import train
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import train
 from tests.conftest import read_jsonl
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import torch
 
 from ampctl.train import checkpoint as ckpt_mod
 from ampctl.train.checkpoint import list_checkpoints, load_checkpoint
-from ampctl.train.loop import train
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

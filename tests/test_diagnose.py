@@ -24,9 +24,9 @@ from ampctl.diagnose import (
 )
 from ampctl.train.checkpoint import FORMAT, latest_checkpoint, list_checkpoints
 from ampctl.train.data import IGNORE_INDEX, PAD_ID
-from ampctl.train.loop import train
 from ampctl.train.models import BertForMaskedLM
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import train
 from tests.conftest import FAST
 
 PAD = 4

@@ -1,4 +1,4 @@
-"""Tests for ampctl.monitor.display (no torch, no GPU, all in-memory consoles)."""
+"""Tests for ampctl.ui.display (no torch, no GPU, all in-memory consoles)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ampctl.monitor.display import (
+from ampctl.ui.display import (
     Display,
     fmt_duration,
     fmt_float,
@@ -445,7 +445,7 @@ def test_update_without_context_manager_and_summary_stops_live():
 
 
 def test_display_does_not_import_torch():
-    code = "import sys, ampctl.monitor.display; sys.exit('torch' in sys.modules)"
+    code = "import sys, ampctl.ui.display; sys.exit('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env)
     assert r.returncode == 0

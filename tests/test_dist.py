@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from ampctl.config import load_config
 from ampctl.train.dist import DistContext
-from ampctl.train.loop import train
+from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, runs: str, out: str, strategy: str
 
             local_tensor(tr.params[3].grad).view(-1)[0] = float("inf")
 
-    from ampctl.train.loop import Trainer
+    from ampctl.train.trainer import Trainer
 
     tr = Trainer(cfg, run_dir, dist_ctx=ctx, fault=fault)
     res = tr.run()

@@ -12,9 +12,9 @@ import torch
 from ampctl.amp.guard import Action, GuardRules, Observation, decide, next_precision
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.hostreads import count_host_reads
-from ampctl.train.loop import Trainer, train
 from ampctl.train.models import BertForMaskedLM
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 
 
@@ -96,14 +96,14 @@ def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
         new_run_dir(cfg.trainer.runs_dir, "p2"),
         resume=__import__("ampctl.train.checkpoint", fromlist=["x"]).load_checkpoint(res.run_dir),
     )
-    assert tr.policy.exempted == ["amp"]
+    assert tr.precision.exempted == ["amp"]
     batch = tr.data.batch_at(0)
     hooks = [
         m.register_forward_hook(lambda mod, i, o, n=n: fwd_dtypes.__setitem__(n, o.dtype))
         for n, m in tr.model.named_modules()
         if n in ("amp", "bert_mlm.bert.encoder.layer.0.intermediate.dense")
     ]
-    with tr.policy.autocast():
+    with tr.precision.autocast():
         tr.model(**batch)
     for h in hooks:
         h.remove()
@@ -203,7 +203,7 @@ def test_snapshot_every_zero_keeps_no_copy_and_still_rolls_back(fast_cfg):
         if calls["n"] in (5, 6):
             next(iter(tr.params)).grad.view(-1)[0] = float("inf")
         if calls["n"] == 4:
-            assert tr.snapshot is None  # no copy kept while training is clean
+            assert tr.protection.snapshot is None  # no copy kept while training is clean
 
     res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "nosnap"), fault=fault)
     kinds = [e["kind"] for e in read_jsonl(res.run_dir / "events.jsonl")]

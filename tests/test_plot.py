@@ -15,10 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from ampctl.cli import app
-from ampctl.config import load_config
-from ampctl.errors import UsageError
-from ampctl.monitor.sinks import TB_HINT, TensorBoardSink, make_tensorboard_sink
-from ampctl.plot import (
+from ampctl.commands.plot import (
     HINT,
     PlotUnavailable,
     build_run_figure,
@@ -29,8 +26,11 @@ from ampctl.plot import (
     plot_sweep,
     run_plot,
 )
-from ampctl.train.loop import train
+from ampctl.config import load_config
+from ampctl.errors import UsageError
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import train
+from ampctl.ui.tensorboard import TB_HINT, TensorBoardSink, make_tensorboard_sink
 from tests.conftest import FAST, read_jsonl
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from ampctl.amp.stats import grad_stats
 from ampctl.hostreads import count_host_reads
-from ampctl.monitor.stats import grad_stats
 
 
 def test_grad_stats_figures_and_no_host_read():

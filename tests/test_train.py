@@ -9,8 +9,8 @@ import torch
 
 from ampctl.hostreads import count_host_reads
 from ampctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from ampctl.train.loop import Trainer, train
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 
 METRIC_KEYS = {
@@ -155,7 +155,7 @@ def test_other_precisions_train(fast_cfg, precision):
 def test_fp32_modules_from_config(fast_cfg):
     cfg = fast_cfg("precision.fp32_modules=[*embeddings*]")
     tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "ex"))
-    assert tr.policy.exempted == ["bert.embeddings"]
+    assert tr.precision.exempted == ["bert.embeddings"]
 
 
 def test_grad_accumulation_and_fused_optimizer(fast_cfg):
@@ -171,7 +171,7 @@ def test_host_reads_one_per_step_plus_log(fast_cfg):
             f"guard={guard}", "trainer.max_steps=8", "trainer.log_every=4", "trainer.ckpt_every=100"
         )
         tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, f"h{guard}"))
-        tr.take_snapshot()
+        tr.protection.take_snapshot(tr.step)
         with count_host_reads() as reads:
             for _ in range(8):
                 tr.train_step(log=False)
@@ -197,7 +197,7 @@ def test_keep_last_checkpoints(fast_cfg):
 
 
 def test_resume_applies_scaler_and_precision_overrides(fast_cfg):
-    from ampctl.tasks import resume_config
+    from ampctl.commands.train import resume_config
 
     first = _run(fast_cfg("trainer.max_steps=6"), "ov")
     ck = load_checkpoint(first.run_dir)
@@ -211,9 +211,9 @@ def test_resume_applies_scaler_and_precision_overrides(fast_cfg):
         ],
     )
     tr = Trainer(cfg, first.run_dir, resume=ck)
-    assert tr.policy.name == "bf16"  # asked for on the resume command line
+    assert tr.precision.name == "bf16"  # asked for on the resume command line
     assert tr.scaler.get_growth_interval() == 7
     plain = Trainer(
         resume_config(ck, ["trainer.max_steps=8", "scaler.init_scale=64"]), first.run_dir, resume=ck
     )
-    assert plain.scaler.get_scale() == 64.0 and plain.policy.name == "fp16"
+    assert plain.scaler.get_scale() == 64.0 and plain.precision.name == "fp16"

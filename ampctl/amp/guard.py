@@ -7,8 +7,9 @@ the overflow history after each step and decides, by the numbered rules of :func
     continue | rollback (restore the last good state, lower the scale) |
     fallback (next precision of the chain, after restoring) | abort | warn
 
-The rules are a pure function of plain numbers (tested without a model); the training loop
-carries the decisions out. Nothing here imports anything but the standard library.
+The rules are a pure function of plain numbers (tested without a model);
+:class:`ampctl.train.protection.Protection` carries the decisions out. Nothing here imports
+anything but the standard library.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from .checks import is_finite, is_int, need
 
 __all__ = [
     "Action",
@@ -50,6 +53,7 @@ class Observation:
     forward_overflow: bool = False
     rollbacks: int = 0  # rollbacks already made at the current precision
     precision: str = "fp16"
+    bf16_ok: bool = True  # the device runs bf16 (a fallback target)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +63,14 @@ class Decision:
     precision: str | None = None  # target precision for FALLBACK
 
 
+SKIP_ACTIONS = ("rollback", "fallback", "abort", "warn")
+FLOOR_POLICIES = ("fallback", "abort", "warn")
+
+
 @dataclass(kw_only=True)
 class GuardRules:
+    """The rules of :func:`decide` (``guard.*`` in a config)."""
+
     rollback_after: int = 3
     max_rollbacks: int = 5
     skip_budget: float = 0.5
@@ -68,7 +78,51 @@ class GuardRules:
     skip_action: str = "rollback"
     floor_policy: str = "fallback"
     fallback_chain: list[str] = field(default_factory=lambda: ["fp16", "bf16", "fp32"])
-    bf16_ok: bool = True
+
+    def __post_init__(self) -> None:
+        need(
+            is_int(self.rollback_after) and self.rollback_after >= 0,
+            self,
+            "rollback_after",
+            self.rollback_after,
+            "an integer >= 0 (0 disables rollback)",
+        )
+        need(
+            is_int(self.max_rollbacks) and self.max_rollbacks >= 0,
+            self,
+            "max_rollbacks",
+            self.max_rollbacks,
+            "an integer >= 0",
+        )
+        need(
+            is_finite(self.skip_budget) and 0 < self.skip_budget <= 1,
+            self,
+            "skip_budget",
+            self.skip_budget,
+            "in (0, 1]",
+        )
+        need(
+            is_int(self.skip_window) and self.skip_window >= 1,
+            self,
+            "skip_window",
+            self.skip_window,
+            "an integer >= 1",
+        )
+        need(
+            self.skip_action in SKIP_ACTIONS,
+            self,
+            "skip_action",
+            self.skip_action,
+            f"one of {', '.join(SKIP_ACTIONS)}",
+        )
+        need(
+            self.floor_policy in FLOOR_POLICIES,
+            self,
+            "floor_policy",
+            self.floor_policy,
+            f"one of {', '.join(FLOOR_POLICIES)}",
+        )
+        self.fallback_chain = list(self.fallback_chain)
 
 
 def next_precision(current: str, chain: list[str], bf16_ok: bool = True) -> str | None:
@@ -82,7 +136,7 @@ def next_precision(current: str, chain: list[str], bf16_ok: bool = True) -> str 
 
 
 def _fallback_or_abort(obs: Observation, rules: GuardRules, why: str) -> Decision:
-    target = next_precision(obs.precision, rules.fallback_chain, rules.bf16_ok)
+    target = next_precision(obs.precision, rules.fallback_chain, obs.bf16_ok)
     if target is None:
         return Decision(
             action=Action.ABORT,
@@ -141,10 +195,16 @@ class OverflowGuard:
         self.window: deque[bool] = deque(maxlen=rules.skip_window)
         self.consecutive = 0
         self.rollbacks = 0  # at the current precision
-        self.counts: dict[str, int] = {}
 
     def observe(
-        self, *, step: int, skipped: bool, forward_overflow: bool, at_floor: bool, precision: str
+        self,
+        *,
+        step: int,
+        skipped: bool,
+        forward_overflow: bool,
+        at_floor: bool,
+        precision: str,
+        bf16_ok: bool = True,
     ) -> Decision:
         self.window.append(bool(skipped))
         self.consecutive = self.consecutive + 1 if skipped else 0
@@ -158,11 +218,9 @@ class OverflowGuard:
             forward_overflow=forward_overflow,
             rollbacks=self.rollbacks,
             precision=precision,
+            bf16_ok=bf16_ok,
         )
         return decide(obs, self.rules)
-
-    def count(self, kind: str) -> None:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
 
     def after_rollback(self) -> None:
         self.rollbacks += 1
@@ -179,11 +237,9 @@ class OverflowGuard:
             "window": [int(x) for x in self.window],
             "consecutive": self.consecutive,
             "rollbacks": self.rollbacks,
-            "counts": dict(self.counts),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.window = deque((bool(x) for x in sd.get("window", [])), maxlen=self.rules.skip_window)
         self.consecutive = int(sd.get("consecutive", 0))
         self.rollbacks = int(sd.get("rollbacks", 0))
-        self.counts = {str(k): int(v) for k, v in sd.get("counts", {}).items()}

@@ -18,6 +18,8 @@ import torch
 __all__ = [
     "group_by_device_and_dtype",
     "check_and_unscale_",
+    "nonfinite_flags",
+    "names_flagged",
     "nonfinite_tensor_names",
     "nonfinite_grad_names",
     "naive_overflow_check",
@@ -76,14 +78,13 @@ def check_and_unscale_(
     return per_device_found
 
 
-def nonfinite_tensor_names(
-    named_tensors: Iterable[tuple[str, torch.Tensor | None]], limit: int | None = None
-) -> list[str]:
-    """Names of the tensors that hold at least one inf or NaN, in the given order.
-
-    The per-tensor flags are computed on the device (one ``_foreach_norm(inf)`` per group) and
-    read on the host in a single transfer: **this syncs**. Call it on overflow steps only.
-    """
+def nonfinite_flags(
+    named_tensors: Iterable[tuple[str, torch.Tensor | None]],
+) -> tuple[list[str], torch.Tensor | None]:
+    """``(names, flags)``: the names of the floating tensors given and, on the first one's
+    device, a float tensor with 1.0 where that tensor holds an inf or NaN (one
+    ``_foreach_norm(inf)`` per device/dtype group). No host read: read ``flags`` together with
+    whatever else you need."""
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     for name, t in named_tensors:
@@ -92,25 +93,43 @@ def nonfinite_tensor_names(
         t = local_tensor(t)
         if t.is_sparse:
             t = t.coalesce()._values()
+        if not t.is_floating_point():
+            continue
         names.append(name)
         tensors.append(t.detach())
     if not tensors:
-        return []
+        return [], None
+    home = tensors[0].device
     flags: list[torch.Tensor] = []
     order: list[int] = []
     index_of = {id(t): i for i, t in enumerate(tensors)}
     for per_dtype in group_by_device_and_dtype(tensors).values():
         for group in per_dtype.values():
-            if not group[0].is_floating_point():
-                continue
             norms = torch._foreach_norm(group, float("inf"))
-            flags.append(torch.stack([~torch.isfinite(n) for n in norms]).cpu())
+            flags.append((~torch.isfinite(torch.stack(norms))).float().to(home))
             order.extend(index_of[id(t)] for t in group)
-    if not flags:
+    perm = torch.empty(len(order), dtype=torch.long)
+    perm[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return names, torch.cat(flags)[perm.to(home)]
+
+
+def nonfinite_tensor_names(
+    named_tensors: Iterable[tuple[str, torch.Tensor | None]], limit: int | None = None
+) -> list[str]:
+    """Names of the tensors that hold at least one inf or NaN, in the given order.
+
+    The per-tensor flags are computed on the device (:func:`nonfinite_flags`) and read on the
+    host in a single transfer: **this syncs**. Call it on overflow steps only.
+    """
+    names, flags = nonfinite_flags(named_tensors)
+    if flags is None:
         return []
-    bad = torch.cat(flags).tolist()  # the one host read
-    hits = sorted(order[i] for i, b in enumerate(bad) if b)
-    out = [names[i] for i in hits]
+    return names_flagged(names, flags.tolist(), limit)  # the one host read
+
+
+def names_flagged(names: list[str], flags: list[float], limit: int | None = None) -> list[str]:
+    """The names whose flag (as read from :func:`nonfinite_flags`) is set, at most ``limit``."""
+    out = [n for n, f in zip(names, flags, strict=True) if f]
     return out if limit is None else out[:limit]
 
 

@@ -23,7 +23,8 @@ What it adds to GradScaler:
   update. ``check_finite=False`` makes a disabled scaler a pure pass-through, like GradScaler's.
 * Skips are *observed* (what ``step`` did), not inferred from a change of scale, and kept on the
   device: total skipped, forward overflows, consecutive overflows, last-step flag and a bounded
-  (step, scale, skipped) history, all in ``state_dict()``.
+  (update, scale used, kind) history -- kind 0 clean, 1 gradient overflow, 2 forward overflow --
+  all in ``state_dict()``.
 
 Host reads: ``step`` reads one flag per optimizer per step (to decide whether to call
 ``optimizer.step()``); with an optimizer that handles scaling itself
@@ -426,7 +427,7 @@ class LossScaler:
                 [
                     torch.full((), float(self._num_updates + 1), dtype=torch.float64, device=dev),
                     used_scale.double(),
-                    sk.double(),
+                    (sk + fwd.long()).double(),  # 0 clean, 1 gradient overflow, 2 forward
                 ]
             )
             t["history"][self._num_updates % self._history_size].copy_(row)
@@ -505,6 +506,10 @@ class LossScaler:
         return self._hysteresis
 
     @property
+    def history_size(self) -> int:
+        return self._history_size
+
+    @property
     def last_step_skipped_host(self) -> bool | None:
         """Whether the last step was skipped, as ``step()`` read it (no new read); None when
         ``step()`` made no read (fused optimizer) -- then use ``last_step_skipped`` (syncs)."""
@@ -536,7 +541,16 @@ class LossScaler:
         idx = (
             torch.arange(self._num_updates - n, self._num_updates, device=dev) % self._history_size
         )
-        return t["history"][idx, 2].sum()
+        return (t["history"][idx, 2] > 0).sum().double()
+
+    def recent_history(self, n: int) -> torch.Tensor:
+        """The last ``n`` records (at most ``history_size``) as a device tensor of rows
+        ``(update number, scale used, kind)``, kind 0 clean, 1 gradient overflow, 2 forward
+        overflow (non-finite loss). No host read."""
+        t = self._require_init("recent_history")
+        n = min(n, self._num_updates, self._history_size)
+        idx = torch.arange(self._num_updates - n, self._num_updates, device=t["history"].device)
+        return t["history"][idx % self._history_size]
 
     # ------------------------------------------------------------------ observed skips
     def _read(self, key: str) -> int:

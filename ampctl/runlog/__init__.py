@@ -9,7 +9,14 @@ Everything that names a file of a run folder goes through :class:`RunLayout`; ev
 reads a JSONL file goes through :func:`read_jsonl` (one way to treat a bad line).
 """
 
-from .branches import BranchInfo, fork_into, list_branches, prepare_resume
+from .branches import (
+    BranchInfo,
+    branch_event,
+    fork_event,
+    fork_into,
+    list_branches,
+    prepare_resume,
+)
 from .layout import RunLayout, is_run_dir
 from .readers import JsonlRows, RunRecord, as_number, is_finite_number, read_json, read_jsonl
 from .writers import RunWriter, atomic_write_text, dumps_row
@@ -27,6 +34,8 @@ __all__ = [
     "as_number",
     "is_finite_number",
     "BranchInfo",
+    "branch_event",
+    "fork_event",
     "fork_into",
     "list_branches",
     "prepare_resume",

@@ -32,7 +32,15 @@ from .layout import RunLayout, checkpoint_step
 from .readers import as_number, read_json
 from .writers import RunWriter, atomic_write_text
 
-__all__ = ["BranchInfo", "prepare_resume", "fork_into", "list_branches", "split_lines"]
+__all__ = [
+    "BranchInfo",
+    "prepare_resume",
+    "fork_into",
+    "list_branches",
+    "split_lines",
+    "branch_event",
+    "fork_event",
+]
 
 
 @dataclass(frozen=True)
@@ -156,43 +164,57 @@ def prepare_resume(run: RunLayout, checkpoint: Path, step: int) -> BranchInfo | 
                 os.replace(src, dest.root / name)
     _write_lines(run.metrics, m_keep)
     _write_lines(run.events, e_keep)
-    rel = dest.root.relative_to(run.root)
-    RunWriter(run.root).event(
-        {
-            "step": int(step),
-            "kind": "branch",
-            "message": f"resumed from step {step}: the later history (to step {info['last_step']}, "
-            f"{len(later_ckpts)} checkpoint(s), {len(m_later)} metrics rows, {len(e_later)} "
-            f"events) is kept in {rel}",
-            "time": time.time(),
-            "archived": str(rel),
-            "resumed_from": str(checkpoint),
-        }
-    )
     info["complete"] = True
     writer.write_json(dest.branch_info, info)
     return BranchInfo.read(dest.root)
 
 
-def fork_into(new_run: RunLayout, parent: RunLayout, checkpoint: Path, step: int) -> None:
-    """Start ``new_run`` (an empty, new folder) from ``parent``'s ``checkpoint`` at ``step``:
-    copy its rows and events up to ``step`` and record where it came from."""
-    m_keep, _ = split_lines(parent.metrics, step)
-    e_keep, _ = split_lines(parent.events, step)
+def fork_into(new_run: RunLayout, checkpoint: Path, step: int) -> RunLayout | None:
+    """Start ``new_run`` (an empty, new folder) from ``checkpoint`` at ``step``: record where it
+    came from and, when the checkpoint sits in a run folder, copy that run's rows and events up
+    to ``step``. Returns the parent run folder (None for a loose checkpoint file)."""
+    parent = RunLayout.of_checkpoint(Path(checkpoint).resolve())
     writer = RunWriter(new_run.root)
     writer.write_json(
         new_run.parent,
-        {"run": str(parent.root), "checkpoint": str(checkpoint), "step": int(step)},
+        {
+            "run": str(parent.root) if parent is not None else None,
+            "checkpoint": str(checkpoint),
+            "step": int(step),
+        },
     )
+    if parent is None:
+        return None
+    m_keep, _ = split_lines(parent.metrics, step)
+    e_keep, _ = split_lines(parent.events, step)
     _write_lines(new_run.metrics, m_keep)
     _write_lines(new_run.events, e_keep)
-    writer.event(
-        {
-            "step": int(step),
-            "kind": "branch",
-            "message": f"forked from {checkpoint} (step {step}) of run {parent.root}",
-            "time": time.time(),
-            "parent": str(parent.root),
-            "resumed_from": str(checkpoint),
-        }
-    )
+    return parent
+
+
+def branch_event(run: RunLayout, info: BranchInfo) -> dict[str, Any]:
+    """The ``branch`` event that records, in the main line, where history was set aside."""
+    rel = info.path.relative_to(run.root)
+    raw = read_json(RunLayout(info.path).branch_info) or {}
+    return {
+        "step": info.forked_at_step,
+        "kind": "branch",
+        "message": f"resumed from step {info.forked_at_step}: the later history (to step "
+        f"{info.last_step}, {len(raw.get('checkpoints', []))} checkpoint(s), "
+        f"{raw.get('metrics_rows', 0)} metrics rows, {raw.get('events', 0)} events) is kept in "
+        f"{rel}",
+        "archived": str(rel),
+        "resumed_from": info.resumed_from,
+    }
+
+
+def fork_event(parent: RunLayout | None, checkpoint: Path, step: int) -> dict[str, Any]:
+    """The ``branch`` event at the start of a run forked from a checkpoint."""
+    of = f" of run {parent.root}" if parent is not None else ""
+    return {
+        "step": int(step),
+        "kind": "branch",
+        "message": f"forked from {checkpoint} (step {step}){of}",
+        "parent": str(parent.root) if parent is not None else None,
+        "resumed_from": str(checkpoint),
+    }

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ampctl.config import ConfigError, OptimConfig, RunConfig
+from ampctl.amp.checks import is_finite, is_int, need
 from ampctl.errors import UsageError
 from ampctl.train.data import DataError, MLMSource, build_data
+
+if TYPE_CHECKING:
+    from ampctl.config import RunConfig
 
 __all__ = [
     "BuildError",
@@ -19,8 +23,84 @@ __all__ = [
     "build_model",
     "build_data_source",
     "build_optimizer",
+    "OptimConfig",
     "extract_loss",
 ]
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """``optim.*``: the optimizer and its learning-rate schedule."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    fused: bool = False
+    clip_grad_norm: float | None = 1.0
+    schedule: str = "cosine"
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        need(self.name in OPTIMIZERS, self, "name", self.name, f"one of {', '.join(OPTIMIZERS)}")
+        need(is_finite(self.lr) and self.lr > 0, self, "lr", self.lr, "a number > 0")
+        need(
+            is_finite(self.weight_decay) and self.weight_decay >= 0,
+            self,
+            "weight_decay",
+            self.weight_decay,
+            "a number >= 0",
+        )
+        need(
+            len(self.betas) == 2 and all(is_finite(b) and 0 <= b < 1 for b in self.betas),
+            self,
+            "betas",
+            list(self.betas),
+            "two numbers in [0, 1), e.g. [0.9,0.999]",
+        )
+        need(is_finite(self.eps) and self.eps > 0, self, "eps", self.eps, "a number > 0")
+        need(
+            self.clip_grad_norm is None
+            or (is_finite(self.clip_grad_norm) and self.clip_grad_norm > 0),
+            self,
+            "clip_grad_norm",
+            self.clip_grad_norm,
+            "a number > 0, or null to disable clipping",
+        )
+        need(
+            self.schedule in SCHEDULES,
+            self,
+            "schedule",
+            self.schedule,
+            f"one of {', '.join(SCHEDULES)}",
+        )
+        need(
+            is_int(self.warmup_steps) and self.warmup_steps >= 0,
+            self,
+            "warmup_steps",
+            self.warmup_steps,
+            "an integer >= 0",
+        )
+        need(
+            is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            self,
+            "min_lr_ratio",
+            self.min_lr_ratio,
+            "in [0, 1]",
+        )
+        need(
+            not self.fused or self.name in ("adamw", "adam"),
+            self,
+            "fused",
+            self.fused,
+            "false unless optim.name is adamw or adam (fused SGD cannot skip on the device)",
+        )
 
 
 class BuildError(UsageError):
@@ -113,8 +193,6 @@ def build_optimizer(
         if o.fused:
             kw["fused"] = True
         return cls(params, **kw)
-    if o.fused:
-        raise ConfigError("optim.fused=true is only available with optim.name=adamw or adam")
     return torch.optim.SGD(params, lr=lr, momentum=o.betas[0], weight_decay=o.weight_decay)
 
 

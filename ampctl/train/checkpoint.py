@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import os
 import random
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ampctl.errors import UsageError
+from ampctl.runlog.layout import RunLayout, list_checkpoints
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "FORMAT",
     "save_checkpoint",
     "load_checkpoint",
@@ -31,7 +32,6 @@ __all__ = [
 ]
 
 FORMAT = "ampctl-checkpoint/1"
-_NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 
 class CheckpointError(UsageError):
@@ -51,43 +51,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    ckpt_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3
-) -> Path:
-    """Write ``state`` as ``ckpt_dir/step_XXXXXXXX.pt`` atomically; keep the newest ``keep_last``.
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
+
+
+def save_checkpoint(run: RunLayout, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
+    """Write ``state`` as the run's ``checkpoints/step_XXXXXXXX.pt`` atomically; keep the newest
+    ``keep_last``.
 
     On failure (disk full, permission) the partial temp file is removed, earlier checkpoints are
-    untouched, and the OSError propagates.
+    untouched, and :class:`CheckpointWriteError` says so in one line.
     """
-    ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = ckpt_dir / f"step_{step:08d}.pt"
-    tmp = ckpt_dir / f".step_{step:08d}.pt.tmp"
+    ckpt_dir = run.checkpoints_dir
+    final, tmp = run.checkpoint(step), run.checkpoint_tmp(step)
     payload = {"format": FORMAT, "step": int(step), **state}
     try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        prev = latest_checkpoint(ckpt_dir)
+        raise CheckpointWriteError(
+            f"could not write the step-{step} checkpoint in {ckpt_dir}: {e.strerror or e}; the "
+            f"previous checkpoint {'(none)' if prev is None else prev} is intact"
+        ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     for old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return final
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in a folder, oldest first (temp files are ignored)."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_file()
-    ]
-    return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
@@ -103,7 +101,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"{str(path)!r} does not exist: give a checkpoint file or a run folder"
         )
     if p.is_dir():
-        for d in (p / "checkpoints", p):
+        for d in (RunLayout(p).checkpoints_dir, p):
             latest = latest_checkpoint(d)
             if latest is not None:
                 return latest

@@ -194,6 +194,8 @@ class MLMSource(ABC):
     """
 
     vocab_size: int
+    #: The keys of every batch: the model is called as ``model(**batch)``.
+    batch_keys: tuple[str, ...] = ("input_ids", "attention_mask", "labels")
 
     def __init__(
         self,

@@ -101,7 +101,7 @@ if [ -s "$OUT/bench_bert_large.json" ]; then
     "$PY" - "$OUT/bench_bert_large.json" <<'EOF' | tee "$OUT/bench_bert_large.txt"
 import json, sys
 from rich.console import Console
-from ampctl.bench import print_report
+from ampctl.commands.bench import print_report
 print_report(json.load(open(sys.argv[1])), Console(width=150, force_terminal=False))
 EOF
 fi

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ampctl.amp.formats import FP16_SUBNORMAL
 from ampctl.amp.overflow import group_by_device_and_dtype
-from ampctl.amp.precision import FP16_SUBNORMAL
 
 __all__ = ["grad_stats", "STAT_KEYS"]
 

@@ -56,8 +56,6 @@ minutes on 2 CPU cores; ``--steps`` scales every section (see :func:`plan`).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import gc
 import json
 import math
@@ -73,7 +71,7 @@ from typing import Any
 
 import torch
 
-from ampctl.config import RunConfig, load_config, split_overrides
+from ampctl.config import RunConfig, load_config, split_overrides, with_changes
 from ampctl.errors import UsageError
 
 __all__ = ["SECTIONS", "BenchError", "bench", "plan", "run_bench", "print_report"]
@@ -115,12 +113,6 @@ def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-def _with(cfg: RunConfig, **groups: dict[str, Any]) -> RunConfig:
-    """A copy of ``cfg`` with some keys of some groups replaced (re-validated)."""
-    changes = {g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()}
-    return dataclasses.replace(copy.deepcopy(cfg), **changes)
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -146,10 +138,10 @@ class _BareLoop:
         self.clip = cfg.optim.clip_grad_norm
         self.model = build_model(cfg).to(self.device)
         self.model.load_state_dict(trainer.model.state_dict())  # casts fp16-pure weights up
-        if trainer.policy.master is not None:  # fp16-pure: the exact fp32 values are the masters
+        if trainer.precision.master is not None:  # fp16-pure: the exact fp32 values are the masters
             own = dict(self.model.named_parameters())
             with torch.no_grad():
-                for name, master in trainer.named_params:
+                for name, master in trainer.precision.named_optimizer_params(trainer.model):
                     own[name].copy_(master)
         # fp16-pure has no GradScaler equivalent: the bare loop runs fp16 autocast instead
         name = "fp16" if cfg.precision.name == "fp16-pure" else cfg.precision.name
@@ -203,10 +195,10 @@ def measure_overhead(
     step, the guard's bookkeeping, the log read -- is timed from one ``train_step`` call to the
     next, and one bare step runs between two protected iterations: A, B, A, B ...
     """
-    from ampctl.train.loop import Trainer
+    from ampctl.train.trainer import Trainer
 
     total = warmup + pairs + 1  # the last iteration has no end mark: not timed
-    cfg = _with(cfg, trainer={"max_steps": total, "ckpt_every": total})
+    cfg = with_changes(cfg, trainer={"max_steps": total, "ckpt_every": total})
     prot: list[float] = []
     bare_t: list[float] = []
     logs: list[bool] = []
@@ -353,7 +345,7 @@ def count_step_reads(cfg: RunConfig, steps: int) -> tuple[int, dict[str, int]]:
     """Host reads over ``steps`` clean ``train_step(log=False)`` calls (after one warm-up step):
     ``(total, by method)``."""
     from ampctl.hostreads import count_host_reads
-    from ampctl.train.loop import Trainer
+    from ampctl.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="ampctl-bench-") as d:
         trainer = Trainer(cfg, Path(d), display=None)
@@ -375,7 +367,7 @@ def measure_host_reads(
     out: dict[str, Any] = {"steps": steps}
     for label, fused in (("standard", False), ("fused", True)):
         try:
-            total, by = count_step_reads(_with(cfg, optim={"fused": fused}), steps)
+            total, by = count_step_reads(with_changes(cfg, optim={"fused": fused}), steps)
         except UsageError as e:
             if not fused:
                 raise
@@ -436,9 +428,9 @@ def _measure_rss(cfg: RunConfig, precision: str, steps: int) -> dict[str, Any]:
     memory) minus the anonymous RSS at the start. Elsewhere: ``ru_maxrss`` minus the RSS at
     the start.
     """
-    from ampctl.train.loop import Trainer
+    from ampctl.train.trainer import Trainer
 
-    cfg = _with(cfg, precision={"name": precision})
+    cfg = with_changes(cfg, precision={"name": precision})
     gc.collect()
     method = "ru_maxrss"
     try:
@@ -501,7 +493,9 @@ def _run_memory_worker(
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the user's model imports too
-    code = "import sys; from ampctl.bench import _memory_worker; sys.exit(_memory_worker())"
+    code = (
+        "import sys; from ampctl.commands.bench import _memory_worker; sys.exit(_memory_worker())"
+    )
     req = json.dumps({"config": cfg.to_dict(), "precisions": list(precisions), "steps": steps})
     try:
         proc = subprocess.run(
@@ -557,7 +551,7 @@ def _precision_cfgs(
         if p == "bf16" and not bf16_supported(device):
             errors[p] = f"bf16 is not supported on {device}"
             continue
-        cfgs[p] = _with(cfg, precision={"name": p})
+        cfgs[p] = with_changes(cfg, precision={"name": p})
     return cfgs, errors
 
 
@@ -600,7 +594,7 @@ def measure_precisions(
     around each step.
     """
     from ampctl.train.builders import resolve_device
-    from ampctl.train.loop import Trainer
+    from ampctl.train.trainer import Trainer
 
     device = resolve_device(cfg.trainer.device)
     cfgs, errors = _precision_cfgs(cfg, device)

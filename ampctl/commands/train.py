@@ -1,15 +1,20 @@
-"""What each command does, one screen each: load config -> build -> run -> close.
+"""``ampctl train``: load config -> build -> run -> close.
 
-The CLI calls these; they raise the input errors that the CLI turns into exit code 2.
+Resuming (``--resume RUN_DIR|CKPT``) continues a run in its own folder; from an earlier
+checkpoint the later history is set aside in ``branches/`` first (see
+:mod:`ampctl.runlog.branches`). ``--resume CKPT --name NEW`` forks the checkpoint into a new run
+folder instead, leaving the original untouched.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from ampctl.config import ConfigError, config_from_saved, load_config, split_overrides, to_yaml
+from ampctl.runlog import RunLayout, fork_event, fork_into
 
 __all__ = ["run_train", "resume_config"]
 
@@ -20,6 +25,26 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
     return config_from_saved(
         ckpt["config"], overrides, source=f"checkpoint {ckpt.get('path')}", trust_code=trust_code
     )
+
+
+def _resume_target(ck: dict[str, Any], name: str | None) -> RunLayout | None:
+    """The run folder a resume continues in (None: a fork into a new folder)."""
+    path = Path(ck["path"]).resolve()
+    run = RunLayout.of_checkpoint(path)
+    if name is not None:
+        return None
+    if run is None:
+        raise ConfigError(
+            f"--resume {ck['path']}: the checkpoint is not inside a run folder "
+            "(<run>/checkpoints/step_*.pt); add --name NEW to start a run folder from it"
+        )
+    if run.root.parent.name == RunLayout.BRANCHES:
+        raise ConfigError(
+            f"--resume {ck['path']}: the checkpoint belongs to the archived branch "
+            f"{run.root.name} of {run.root.parent.parent}; continue it in a new run folder with "
+            f"--resume {ck['path']} --name NEW"
+        )
+    return run
 
 
 def run_train(
@@ -33,11 +58,11 @@ def run_train(
     mode: str = "auto",
     console: Console | None = None,
 ) -> int:
-    from ampctl.monitor.display import Display
     from ampctl.train.checkpoint import load_checkpoint
     from ampctl.train.dist import init_distributed
-    from ampctl.train.loop import Trainer
     from ampctl.train.run import new_run_dir
+    from ampctl.train.trainer import Trainer
+    from ampctl.ui.display import Display
 
     console = console or Console()
     ck = None
@@ -55,41 +80,56 @@ def run_train(
     if print_config:
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)
         return 0
-    if ck is not None and name is not None:
-        raise ConfigError(
-            "--name cannot be combined with --resume: the run continues in its own folder"
-        )
     ctx = init_distributed(cfg.dist.strategy, cfg.trainer.device)
-    if ck is not None:
-        run_dir = Path(ck["path"]).resolve().parent.parent
-    elif ctx.is_main:
+    target = _resume_target(ck, name) if ck is not None else None
+    fork = ck is not None and target is None
+    run_dir = target.root if target is not None else None
+    if run_dir is None and ctx.is_main:
         run_dir = new_run_dir(cfg.trainer.runs_dir, name or cfg.name, preset)
-    run_dir = ctx.broadcast_object(run_dir if ctx.is_main or ck is not None else None)
+    run_dir = ctx.broadcast_object(run_dir)
     display = Display(
         cfg.trainer.max_steps,
         mode=mode if ctx.is_main else "quiet",
         console=console,
         title=f"ampctl train - {run_dir.name}",
     )
+    parent = None
     try:
+        if fork and ctx.is_main:
+            parent = fork_into(RunLayout(run_dir), Path(ck["path"]), ck["step"])
         trainer = Trainer(
             cfg, run_dir, display=display if ctx.is_main else None, resume=ck, dist_ctx=ctx
         )
     except BaseException:
-        if ctx.is_main and ck is None and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # nothing was written: leave no empty run behind
+        if ctx.is_main and (ck is None or fork):
+            _remove_new_run(run_dir)  # nothing was trained: leave no half-made run behind
         raise
+    if fork:
+        trainer.log.event(fork_event(parent, Path(ck["path"]), ck["step"]))
     if not ctx.is_main:
         return trainer.run().exit_code
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    RunLayout(run_dir).config.write_text(to_yaml(cfg))
     with display:
         result = trainer.run()
+    _report(console, display, trainer, result, cfg, run_dir)
+    return result.exit_code
+
+
+def _remove_new_run(run_dir: Path) -> None:
+    lay = RunLayout(run_dir)
+    for p in (lay.parent, lay.metrics, lay.events):
+        p.unlink(missing_ok=True)
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
+def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
     summary = dict(result.summary)
     if result.status != "ok":
         summary["resume_hint"] = f"ampctl train --resume {run_dir}"
     display.summary(summary)
     if cfg.logging.plot:
-        from ampctl.plot import maybe_plot_run
+        from ampctl.commands.plot import maybe_plot_run
 
         got = maybe_plot_run(run_dir)
         msg = f"plot: {got}" if isinstance(got, Path) else got
@@ -97,9 +137,8 @@ def run_train(
     if result.status == "aborted":
         console.print(
             "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
-            "`ampctl diagnose "
-            + str(run_dir)
-            + "`, precision=bf16, a lower optim.lr, or scaler.init_scale lower.",
+            f"`ampctl diagnose {run_dir}`, precision=bf16, a lower optim.lr, or scaler.init_scale "
+            "lower.",
             highlight=False,
             soft_wrap=True,
         )
@@ -114,4 +153,3 @@ def run_train(
             markup=False,
             soft_wrap=True,
         )
-    return result.exit_code

@@ -1,0 +1,92 @@
+"""Precision plugins, one file per precision, behind one small interface (:class:`Precision`).
+
+* ``fp32``       no autocast, no loss scaling (non-finite steps are still skipped).
+* ``bf16``       autocast to bfloat16; fp32 weights and optimizer state; no loss scaling.
+* ``fp16``       autocast to float16; fp32 weights and optimizer state; dynamic loss scaling.
+* ``fp16-pure``  fp16 weights with fp32 masters owned by the optimizer (Apex O2); loss scaling.
+
+:func:`make_precision` builds one by name; each owns its :class:`~ampctl.amp.LossScaler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ampctl.amp.checks import need
+from ampctl.amp.formats import FP16_MAX, FP16_SUBNORMAL, FP16_TINY, dtype_max
+from ampctl.amp.scaler import LossScaler
+
+from .base import Precision, bf16_supported, match_modules
+from .bf16 import BF16Precision
+from .fp16 import FP16Precision
+from .fp16_pure import FP16PurePrecision, MasterWeights
+from .fp32 import FP32Precision
+
+__all__ = [
+    "PRECISIONS",
+    "PrecisionConfig",
+    "PLUGINS",
+    "Precision",
+    "FP32Precision",
+    "BF16Precision",
+    "FP16Precision",
+    "FP16PurePrecision",
+    "MasterWeights",
+    "make_precision",
+    "PrecisionPolicy",
+    "bf16_supported",
+    "match_modules",
+    "FP16_MAX",
+    "FP16_TINY",
+    "FP16_SUBNORMAL",
+    "dtype_max",
+]
+
+PLUGINS: dict[str, type[Precision]] = {
+    p.name: p for p in (FP32Precision, BF16Precision, FP16Precision, FP16PurePrecision)
+}
+PRECISIONS: tuple[str, ...] = tuple(PLUGINS)
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """``precision.*``: the precision plugin and the modules it keeps in fp32."""
+
+    name: str = "fp16"
+    fp32_modules: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        need(
+            self.name in PRECISIONS,
+            self,
+            "name",
+            self.name,
+            f"one of {', '.join(PRECISIONS)} (select with precision=NAME)",
+        )
+
+
+def make_precision(
+    name: str,
+    *,
+    fp32_modules: Iterable[str] = (),
+    device_type: str = "cpu",
+    scaler: LossScaler | None = None,
+    scaler_args: dict[str, Any] | None = None,
+) -> Precision:
+    """The plugin for precision ``name``. Its scaler is ``scaler``, or a new
+    ``LossScaler(**scaler_args)`` with scaling enabled when the precision needs it."""
+    cls = PLUGINS.get(name)
+    if cls is None:
+        raise ValueError(f"precision: '{name}' is not one of {', '.join(PRECISIONS)}")
+    if scaler is None:
+        scaler = LossScaler(**(scaler_args or {}), enabled=cls.needs_scaler)
+    return cls(fp32_modules=fp32_modules, device_type=device_type, scaler=scaler)
+
+
+def PrecisionPolicy(  # noqa: N802 - the name the first release exported
+    *, name: str = "fp16", fp32_modules: Iterable[str] = (), device_type: str = "cpu"
+) -> Precision:
+    """``make_precision`` under the name of ampctl 0.1's policy class."""
+    return make_precision(name, fp32_modules=fp32_modules, device_type=device_type)

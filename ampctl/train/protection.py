@@ -1,0 +1,589 @@
+"""Protection: carries out the overflow guard's decisions, in ampctl's loop or in anyone's.
+
+The guard's rules (:func:`ampctl.amp.guard.decide`) say *what* to do when skipping and halving
+is not enough; this object *does* it, and owns everything that takes: the in-memory snapshot of
+the last good state, restoring it (rollback), attributing an overflow to the parameters whose
+gradients were non-finite, locating the module whose output overflowed in the forward pass and
+promoting it to fp32, switching the run to the next precision of the fallback chain, and the
+events that record each of these.
+
+It takes the model, the optimizer and the precision plugin (which owns the loss scaler), not a
+run config, so it works in a hand-written loop too::
+
+    protection = Protection(model, optimizer, precision)
+    for step, batch in enumerate(loader, 1):
+        optimizer.zero_grad()
+        with precision.autocast():
+            loss = model(**batch).loss
+        precision.backward(loss)
+        precision.unscale_(optimizer)
+        skipped = precision.optimizer_step(optimizer)
+        protection.after_step(step, skipped=skipped, batches=[batch])
+
+It is called once per optimizer step on every path. When the step's skip flag was read on the
+host (the standard path: ``scaler.step`` reads it to decide whether to step) the guard decides
+at once. With an optimizer that skips on the device (``AdamW(fused=True)``) nothing is read per
+step, so the decisions wait for the next point where the loop reads anything -- its log step --
+and are taken there from the scaler's on-device record of every step since (kind of each skip,
+scale used). The events name the same steps and the decisions are the same as on the standard
+path; a rollback decided late restores the snapshot from before the first overflow of the burst
+(snapshots on that path are only taken at read points where the last step was clean), and the
+steps run after the decision are discarded. Attribution needs the gradients of the overflowing
+step, which are gone by then: the event says so. ``pending_reads`` / ``on_read`` let a loop fold
+this into its one read; :meth:`sync` reads on its own.
+
+Host reads: none on a clean step. A skipped step on the standard path reads once more (scale,
+kind of overflow and the names of non-finite gradients, in one transfer); a rollback reads the
+snapshot's scale; a forward-overflow replay reads its traces once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ampctl.amp.checks import is_finite, is_int, need
+from ampctl.amp.guard import Action, Decision, GuardRules, OverflowGuard
+from ampctl.amp.locate import first_bad, trace_modules
+from ampctl.amp.overflow import names_flagged, nonfinite_flags
+from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision, bf16_supported, make_precision
+from ampctl.amp.scaler import LossScaler
+
+__all__ = ["GuardConfig", "Protection", "TrainAborted", "Progress"]
+
+
+class TrainAborted(RuntimeError):
+    """The guard gave up (abort policy, or nothing left to fall back to)."""
+
+
+@dataclass(kw_only=True)
+class GuardConfig(GuardRules):
+    """``guard.*``: the rules of :class:`~ampctl.amp.guard.GuardRules` plus how they are carried
+    out (attribution, forward locate and promotion, rollback's scale cut, snapshots)."""
+
+    enabled: bool = True
+    attribution: bool = True
+    attribution_limit: int = 5
+    locate_forward: bool = True
+    promote: bool = True
+    rollback_backoff: float = 0.25
+    snapshot_every: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        need(
+            is_int(self.attribution_limit) and self.attribution_limit >= 1,
+            self,
+            "attribution_limit",
+            self.attribution_limit,
+            "an integer >= 1",
+        )
+        need(
+            is_finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
+            self,
+            "rollback_backoff",
+            self.rollback_backoff,
+            "in (0, 1]",
+        )
+        bad = [p for p in self.fallback_chain if p not in PRECISIONS]
+        need(
+            not bad,
+            self,
+            "fallback_chain",
+            list(self.fallback_chain),
+            f"a list of {', '.join(PRECISIONS)}",
+        )
+        need(
+            is_int(self.snapshot_every) and self.snapshot_every >= 0,
+            self,
+            "snapshot_every",
+            self.snapshot_every,
+            "an integer >= 0 (0: no snapshots)",
+        )
+
+    @property
+    def rules(self) -> GuardRules:
+        return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
+
+
+class Progress(Protocol):
+    """The owner's position that a rollback rewinds (step, data position, RNG ...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scale: torch.Tensor  # device copy: taking a snapshot reads nothing on the host
+    master: list[torch.Tensor] | None
+    progress: dict[str, Any] | None
+
+
+@dataclass
+class _Pending:
+    """A step whose skip flag was not read on the host (fused optimizer)."""
+
+    update: int  # the scaler's update number of the step (1-based)
+    step: int
+    batches: list[dict[str, torch.Tensor]] | None
+
+
+Emit = Callable[..., None]  # emit(step, kind, message, **extra)
+ForwardLoss = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _default_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    from ampctl.train.builders import extract_loss
+
+    return extract_loss(model(**batch)).float()
+
+
+class Protection:
+    """Snapshot, restore, attribution, forward locate + promotion and precision fallback, decided
+    by the overflow guard (see the module docstring).
+
+    Args:
+        model: the model the forward runs (unwrapped: its ``state_dict`` is what a rollback
+            restores; under DDP/FSDP pass the inner module and the wrapper as ``forward_model``).
+        optimizer: the optimizer, built over ``precision.optimizer_params(model)``.
+        precision: the precision plugin, with its scaler.
+        config: the guard's rules and knobs.
+        emit: ``emit(step, kind, message, **extra)`` records an event (events.jsonl, display);
+            by default events are only kept in :attr:`events`.
+        progress: what a rollback rewinds besides weights, optimizer state and scale (the
+            owner's step counter, data position, RNG); None rewinds only those three.
+        forward: ``forward(model, batch) -> loss`` for the forward-overflow replay (run under
+            the precision's autocast); default: ``model(**batch)`` and its ``.loss``.
+        rebuild_optimizer: ``rebuild(params) -> optimizer`` used by a precision fallback when the
+            optimized parameters change (fp16-pure's masters become the weights); without it a
+            fallback from fp16-pure is turned into an abort with the reason.
+        dist: a :class:`~ampctl.train.dist.DistContext` under torchrun (ranks agree on the
+            located module); None in a single process.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        *,
+        config: GuardConfig | None = None,
+        emit: Emit | None = None,
+        progress: Progress | None = None,
+        forward: ForwardLoss | None = None,
+        rebuild_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        dist: Any = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.config = config or GuardConfig()
+        self.guard = OverflowGuard(self.config.rules)
+        self.events: list[dict[str, Any]] = []
+        self._emit_fn = emit
+        self.progress = progress
+        self.forward = forward or _default_forward
+        self.rebuild_optimizer = rebuild_optimizer
+        self.dist = dist
+        self.snapshot: _Snapshot | None = None
+        self._clean_since_snapshot = 0
+        self._pending: list[_Pending] = []
+        self._step = 0  # the last step seen
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def scaler(self) -> LossScaler:
+        return self.precision.scaler
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    @property
+    def snapshots(self) -> bool:
+        return self.config.enabled and self.config.snapshot_every > 0
+
+    def _device(self) -> torch.device:
+        dev = self.scaler.device
+        if dev is not None:
+            return dev
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ events
+    def emit(self, step: int, kind: str, message: str, **extra: Any) -> None:
+        ev = {"step": step, "kind": kind, "message": message, "time": time.time(), **extra}
+        self.events.append(ev)
+        if self._emit_fn is not None:
+            self._emit_fn(ev)
+
+    # ------------------------------------------------------------------ the per-step call
+    def start(self, step: int = 0) -> None:
+        """Before the first step: keep the starting state as the first snapshot. No host read."""
+        self._step = step
+        if self.snapshots and self.snapshot is None:
+            self.take_snapshot(step)
+
+    def after_step(
+        self,
+        step: int,
+        *,
+        skipped: bool | None,
+        batches: list[dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """Call once per optimizer step, after ``scaler.update()``, with the step number and
+        the skip flag as the scaler read it (``precision.optimizer_step``'s return value; None
+        when nothing was read, i.e. a fused optimizer). ``batches``: the step's micro-batches,
+        for the forward-overflow replay. No host read on a clean step (see the module
+        docstring for the others). May raise :class:`TrainAborted`."""
+        self._step = step
+        if not self.enabled:
+            return
+        if skipped is None:  # decided at the next read
+            self._pending.append(_Pending(self.scaler.num_steps, step, batches))
+            return
+        if not skipped:
+            self._observe(step, skipped=False)
+            self._maybe_snapshot(step)
+            return
+        # one read for the skipped step: its kind and the scale after it, with attribution
+        names, kind, scale_after = self._attribute()
+        self._observe(
+            step,
+            skipped=True,
+            forward=kind == 2,
+            scale_after=scale_after,
+            names=names,
+            batches=batches,
+        )
+
+    # ------------------------------------------------------------------ the fused path
+    def pending_reads(self) -> torch.Tensor | None:
+        """What the decisions still waiting need from the device (fused path), as one flat
+        float64 device tensor to read together with the caller's own figures; None when nothing
+        waits. No host read."""
+        if not self._pending:
+            return None
+        n = self.scaler.num_steps - self._pending[0].update + 1
+        rows = self.scaler.recent_history(n).double().reshape(-1)
+        scale = self.scaler.device_counters()["scale"].double().reshape(1)
+        return torch.cat([scale, rows])
+
+    def on_read(self, values: list[float]) -> None:
+        """Take the waiting decisions from the values of :meth:`pending_reads` (read by the
+        caller). May restore a snapshot or switch precision; may raise :class:`TrainAborted`."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        scale_now, flat = values[0], values[1:]
+        rows = [flat[i : i + 3] for i in range(0, len(flat), 3)]
+        by_update = {int(r[0]): r for r in rows}
+        if len(rows) < len(pending):
+            self.emit(
+                pending[-1].step,
+                "warning",
+                f"the scaler's history holds {len(rows)} of the {len(pending)} steps since the "
+                "last read: guard decisions for the older ones are lost (raise "
+                "scaler.history_size above trainer.log_every)",
+            )
+        for i, p in enumerate(pending):
+            row = by_update.get(p.update)
+            if row is None:
+                continue
+            kind = int(row[2])
+            nxt = by_update.get(p.update + 1)
+            scale_after = nxt[1] if nxt is not None else scale_now
+            action = self._observe(
+                p.step,
+                skipped=kind > 0,
+                forward=kind == 2,
+                scale_after=scale_after,
+                names=None,
+                batches=p.batches,
+                late_by=pending[-1].step - p.step,
+            )
+            if action in (Action.ROLLBACK, Action.FALLBACK):
+                discarded = len(pending) - i - 1
+                if discarded:
+                    self.events[-1]["discarded_steps"] = discarded
+                return
+        if pending and self.guard.consecutive == 0:
+            self._maybe_snapshot(pending[-1].step)
+
+    def sync(self) -> None:
+        """Read what :meth:`pending_reads` needs and take the waiting decisions (for loops that
+        have no read point of their own). **Syncs** once when decisions wait."""
+        t = self.pending_reads()
+        if t is not None:
+            self.on_read(t.tolist())
+
+    # ------------------------------------------------------------------ deciding
+    def _attribute(self) -> tuple[list[str] | None, int, float]:
+        """Names of the non-finite gradients (up to ``attribution_limit``; None when attribution
+        is off), the kind of the last overflow (1 gradient, 2 forward) and the scale after the
+        step. **Syncs** once: everything in one transfer."""
+        figures = [
+            self.scaler.recent_history(1).double().reshape(-1)[2:],
+            self.scaler.device_counters()["scale"].double().reshape(1),
+        ]
+        names: list[str] = []
+        if self.config.attribution:
+            names, flags = nonfinite_flags(
+                (n, p.grad) for n, p in self.precision.named_optimizer_params(self.model)
+            )
+            if flags is not None:
+                figures.append(flags.double().to(figures[0].device))
+        vals = torch.cat(figures).tolist()
+        kind, scale_after = int(vals[0]), float(vals[1])
+        if not self.config.attribution:
+            return None, kind, scale_after
+        return names_flagged(names, vals[2:], self.config.attribution_limit), kind, scale_after
+
+    def _observe(
+        self,
+        step: int,
+        *,
+        skipped: bool,
+        forward: bool = False,
+        scale_after: float = 0.0,
+        names: list[str] | None = None,
+        batches: list[dict[str, torch.Tensor]] | None = None,
+        late_by: int | None = None,
+    ) -> Action:
+        at_floor = skipped and self.scaler.is_enabled() and scale_after <= self.scaler.min_scale
+        if skipped:
+            self._overflow_event(step, forward, scale_after, names, late_by)
+            if forward and self.config.locate_forward and batches:
+                self._locate_and_promote(step, batches, late_by)
+        else:
+            self._clean_since_snapshot += 1
+        decision = self.guard.observe(
+            step=step,
+            skipped=skipped,
+            forward_overflow=forward,
+            at_floor=at_floor,
+            precision=self.precision.name,
+            bf16_ok=bf16_supported(self._device()),
+        )
+        self._apply(decision, step, scale_after)
+        return decision.action
+
+    def _overflow_event(
+        self,
+        step: int,
+        forward: bool,
+        scale: float,
+        names: list[str] | None,
+        late_by: int | None,
+    ) -> None:
+        kind = "forward" if forward else "gradient"
+        msg = f"{kind} overflow, step skipped; scale now {scale:g}"
+        extra: dict[str, Any] = {"overflow": kind, "scale": scale}
+        if names:
+            msg += f"; non-finite grads in {', '.join(names)}"
+        if names is not None:
+            extra["params"] = names
+        elif late_by is not None and self.config.attribution:
+            extra["params"] = None
+            extra["attribution"] = (
+                "unavailable: with a fused optimizer the skip is read at the next log step, "
+                "when this step's gradients are gone"
+            )
+        if late_by:
+            extra["decided_at_step"] = step + late_by
+        self.emit(step, "overflow", msg, **extra)
+
+    def _locate_and_promote(
+        self, step: int, batches: list[dict[str, torch.Tensor]], late_by: int | None
+    ) -> None:
+        """Replay the step's batches with forward hooks and promote the first module whose
+        output is non-finite. Every batch is replayed (ranks stay in step under FSDP) and the
+        ranks agree on one module (the first found, in rank order). **Syncs** (the replay)."""
+        found = None
+        for batch in batches:
+            with torch.no_grad(), self.precision.autocast():
+                traces, _ = trace_modules(self.model, lambda b=batch: self.forward(self.model, b))
+            bad = first_bad(traces)
+            if bad is not None and found is None:
+                found = (bad.name, bad.dtype)
+        if self.dist is not None and getattr(self.dist, "enabled", False):
+            found = next((f for f in self.dist.all_gather_object(found) if f is not None), None)
+        late = f" (replayed on the weights of step {step + late_by})" if late_by else ""
+        if found is None:
+            self.emit(
+                step,
+                "locate",
+                "forward overflow did not reproduce on replay (non-deterministic or "
+                f"data-dependent){late}",
+            )
+            return
+        name, dtype = found
+        if name == "<model>" or not self.config.promote or self.precision.name == "fp32":
+            self.emit(
+                step,
+                "locate",
+                f"forward overflow first appears in {name} ({dtype}){late}",
+                module=name,
+            )
+            return
+        if self.precision.exempt(self.model, name):
+            self.emit(
+                step,
+                "promotion",
+                f"forward overflow first appears in {name} (non-finite, {dtype}): now runs in "
+                f"fp32{late}",
+                module=name,
+            )
+        else:
+            self.emit(
+                step, "locate", f"forward overflow in {name}, already fp32{late}", module=name
+            )
+
+    # ------------------------------------------------------------------ acting
+    def _apply(self, decision: Decision, step: int, scale_after: float) -> None:
+        if decision.action is Action.CONTINUE:
+            return
+        if decision.action is Action.WARN:
+            self.emit(step, "warning", decision.reason)
+            return
+        if decision.action is Action.ABORT:
+            self.emit(step, "abort", decision.reason)
+            raise TrainAborted(decision.reason)
+        if decision.action is Action.FALLBACK and not self._can_switch():
+            reason = (
+                f"{decision.reason}, but this loop cannot rebuild its optimizer for "
+                f"{decision.precision} (pass rebuild_optimizer= to Protection)"
+            )
+            self.emit(step, "abort", reason)
+            raise TrainAborted(reason)
+        snap = self.snapshot
+        # with no snapshot (guard.snapshot_every=0) the current state is the restart point:
+        # skipped steps never touched it
+        if snap is not None:
+            self.restore(snap)  # the scaler keeps its counters: the skips happened
+        to_step = snap.step if snap is not None else step
+        snap_scale = float(snap.scale.item()) if snap is not None else scale_after
+        if decision.action is Action.ROLLBACK:
+            new_scale = max(
+                min(scale_after, snap_scale) * self.config.rollback_backoff, self.scaler.min_scale
+            )
+            self.scaler.update(new_scale=new_scale)
+            self.guard.after_rollback()
+            self._step = to_step
+            self.emit(
+                to_step,
+                "rollback",
+                f"{decision.reason}: restored step {to_step}, scale {scale_after:g} -> "
+                f"{new_scale:g}",
+                to_step=to_step,
+                from_step=step,
+            )
+            return
+        old = self.precision.name
+        self.switch_precision(decision.precision, scale=snap_scale)
+        self.guard.after_fallback()
+        self.snapshot = None
+        self._step = to_step
+        if self.snapshots:
+            self.take_snapshot(to_step)
+        self.emit(
+            to_step,
+            "fallback",
+            f"{decision.reason}; restored step {to_step}",
+            from_precision=old,
+            to_precision=decision.precision,
+            to_step=to_step,
+            from_step=step,
+        )
+
+    def _can_switch(self) -> bool:
+        return self.precision.master is None or self.rebuild_optimizer is not None
+
+    def take_snapshot(self, step: int) -> None:
+        """Keep the current (good) state in memory for rollback. Device copies, no host read."""
+        self.snapshot = _Snapshot(
+            step=step,
+            model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            scale=self.scaler.get_scale_tensor().clone()
+            if self.scaler.get_scale_tensor() is not None
+            else torch.tensor(self.scaler.get_scale()),
+            master=[m.detach().clone() for m in self.precision.master.params]
+            if self.precision.master is not None
+            else None,
+            progress=self.progress.state_dict() if self.progress is not None else None,
+        )
+        self._clean_since_snapshot = 0
+
+    def _maybe_snapshot(self, step: int) -> None:
+        if (
+            self.snapshots
+            and self._clean_since_snapshot >= self.config.snapshot_every
+            and self.guard.consecutive == 0
+        ):
+            self.take_snapshot(step)
+
+    def restore(self, snap: _Snapshot) -> None:
+        """Put the snapshot's weights, masters, optimizer state and progress back (the scale is
+        the caller's decision). No host read."""
+        self.model.load_state_dict(snap.model)
+        if snap.master is not None and self.precision.master is not None:
+            with torch.no_grad():
+                for m, v in zip(self.precision.master.params, snap.master, strict=True):
+                    m.copy_(v)
+        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        if snap.progress is not None and self.progress is not None:
+            self.progress.load_state_dict(snap.progress)
+
+    def switch_precision(self, name: str, *, scale: float | None = None) -> None:
+        """Move the run to precision ``name`` in place, keeping weights, optimizer state,
+        exempted modules and the scaler's counters (the scale restarts at ``scale`` when the new
+        precision scales the loss)."""
+        old = self.precision
+        opt_state = self.optimizer.state_dict()
+        counters = old.scaler.state_dict()
+        exempted = old.release(self.model)
+        new = make_precision(
+            name,
+            fp32_modules=old.fp32_modules,
+            device_type=old.device_type,
+            scaler=LossScaler(
+                enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
+            ),
+        )
+        new.prepare(self.model)
+        for n in exempted:
+            if n not in new.exempted:
+                new.exempt(self.model, n)
+        if new.scaler.is_enabled() and scale is not None and math.isfinite(scale):
+            counters["scale"] = scale
+        new.scaler.load_state_dict(counters)
+        new.scaler.reduce_flags = old.scaler.reduce_flags
+        new.scaler.init_state(self._device())
+        params = new.optimizer_params(self.model)
+        if self.rebuild_optimizer is not None:
+            self.optimizer = self.rebuild_optimizer(params)
+            self.optimizer.load_state_dict(opt_state)
+        self.precision = new
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's host-side history (the snapshot is not saved: a checkpoint is one)."""
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.load_state_dict(state)

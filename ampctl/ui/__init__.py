@@ -1,0 +1,1 @@
+"""Display: the live table, plain lines, and the TensorBoard sink."""
