@@ -27,8 +27,8 @@ step, so the decisions wait for the next point where the loop reads anything -- 
 and are taken there from the scaler's on-device record of every step since (kind of each skip,
 scale used). The events name the same steps and the decisions are the same as on the standard
 path; a rollback decided late restores the snapshot from before the first overflow of the burst
-(snapshots on that path are only taken at read points where the last step was clean), and the
-steps run after the decision are discarded. Attribution needs the gradients of the overflowing
+(snapshots on that path are only taken at read points where the last step was clean, at least
+``snapshot_every`` steps apart), and the steps run after the decision are discarded. Attribution needs the gradients of the overflowing
 step, which are gone by then: the event says so. ``pending_reads`` / ``on_read`` let a loop fold
 this into its one read; :meth:`sync` reads on its own.
 
@@ -315,14 +315,16 @@ class Protection:
                 names=None,
                 batches=p.batches,
                 late_by=pending[-1].step - p.step,
+                ran_after=len(pending) - i - 1,
             )
             if action in (Action.ROLLBACK, Action.FALLBACK):
-                discarded = len(pending) - i - 1
-                if discarded:
-                    self.events[-1]["discarded_steps"] = discarded
-                return
-        if pending and self.guard.consecutive == 0:
-            self._maybe_snapshot(pending[-1].step)
+                return  # the steps run after the decision are discarded
+        # a snapshot only where the state is known to be good: a read point after a clean step,
+        # at least snapshot_every steps after the previous snapshot
+        last = pending[-1].step
+        since = last - self.snapshot.step if self.snapshot is not None else last
+        if self.snapshots and self.guard.consecutive == 0 and since >= self.config.snapshot_every:
+            self.take_snapshot(last)
 
     def sync(self) -> None:
         """Read what :meth:`pending_reads` needs and take the waiting decisions (for loops that
@@ -363,6 +365,7 @@ class Protection:
         names: list[str] | None = None,
         batches: list[dict[str, torch.Tensor]] | None = None,
         late_by: int | None = None,
+        ran_after: int = 0,
     ) -> Action:
         at_floor = skipped and self.scaler.is_enabled() and scale_after <= self.scaler.min_scale
         if skipped:
@@ -379,7 +382,7 @@ class Protection:
             precision=self.precision.name,
             bf16_ok=bf16_supported(self._device()),
         )
-        self._apply(decision, step, scale_after)
+        self._apply(decision, step, scale_after, ran_after)
         return decision.action
 
     def _overflow_event(
@@ -454,7 +457,9 @@ class Protection:
             )
 
     # ------------------------------------------------------------------ acting
-    def _apply(self, decision: Decision, step: int, scale_after: float) -> None:
+    def _apply(self, decision: Decision, step: int, scale_after: float, ran_after: int = 0) -> None:
+        """Carry out a decision taken for ``step``; ``ran_after``: steps that already ran after it
+        (fused path), which a rollback or fallback discards."""
         if decision.action is Action.CONTINUE:
             return
         if decision.action is Action.WARN:
@@ -476,6 +481,7 @@ class Protection:
         if snap is not None:
             self.restore(snap)  # the scaler keeps its counters: the skips happened
         to_step = snap.step if snap is not None else step
+        late = {"discarded_steps": ran_after} if ran_after else {}
         snap_scale = float(snap.scale.item()) if snap is not None else scale_after
         if decision.action is Action.ROLLBACK:
             new_scale = max(
@@ -491,6 +497,7 @@ class Protection:
                 f"{new_scale:g}",
                 to_step=to_step,
                 from_step=step,
+                **late,
             )
             return
         old = self.precision.name
@@ -508,6 +515,7 @@ class Protection:
             to_precision=decision.precision,
             to_step=to_step,
             from_step=step,
+            **late,
         )
 
     def _can_switch(self) -> bool:
