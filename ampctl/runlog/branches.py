@@ -187,6 +187,11 @@ def fork_into(new_run: RunLayout, checkpoint: Path, step: int) -> RunLayout | No
         return None
     m_keep, _ = split_lines(parent.metrics, step)
     e_keep, _ = split_lines(parent.events, step)
+    if parent.root.parent.name == RunLayout.BRANCHES:  # an archived branch holds only its tail
+        owner = RunLayout(parent.root.parent.parent)
+        fork = BranchInfo.read(parent.root).forked_at_step
+        m_keep = split_lines(owner.metrics, fork)[0] + m_keep
+        e_keep = split_lines(owner.events, fork)[0] + e_keep
     _write_lines(new_run.metrics, m_keep)
     _write_lines(new_run.events, e_keep)
     return parent
