@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import pickle
 import random
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from ampctl.amp import LossScaler, next_scale
+from ampctl.amp.scaler import CallOrderError
 from ampctl.hostreads import count_host_reads
 
 
@@ -230,6 +233,8 @@ def test_disabled_scaling_still_skips_nonfinite_steps(dtype):
         loss = (model(x).float() - y).pow(2).mean()
     scaled = scaler.scale(loss)
     assert scaled is loss
+    outputs = [loss]
+    assert scaler.scale(outputs) is outputs  # checked, handed back as given
     scaled.backward()
     _plant(model, float("nan"))
     before = [p.detach().clone() for p in model.parameters()]
@@ -352,7 +357,7 @@ def test_loads_a_gradscaler_state_dict():
         ({"growth_interval": 2.5}, "growth_interval must be an integer >= 1"),
         ({"hysteresis": 0}, "hysteresis must be an integer >= 1"),
         ({"min_scale": 8.0, "max_scale": 4.0}, "min_scale must be <= max_scale (4.0)"),
-        ({"min_scale": -1.0}, "min_scale must be a finite number > 0"),
+        ({"min_scale": -1.0}, "min_scale must be a finite number >= 0"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs, message):
@@ -432,3 +437,230 @@ def test_gradscaler_can_be_swapped_out_in_a_user_loop():
             "growth_interval",
             "_growth_tracker",
         }
+
+
+# ------------------------------------------------------------ GradScaler subclass, ampctl extras
+def test_no_gradscaler_method_runs_on_state_of_its_own():
+    """LossScaler subclasses GradScaler without calling its __init__; every GradScaler method
+    must be LossScaler's own, or it would run on attributes LossScaler does not keep."""
+    gs = torch.amp.GradScaler
+    methods = [n for n, v in vars(gs).items() if inspect.isfunction(v)]
+    assert {"scale", "step", "update", "_unscale_grads_", "__getstate__"} <= set(methods)
+    inherited = [n for n in methods if n not in vars(LossScaler)]
+    assert inherited == [], f"GradScaler methods not overridden by LossScaler: {inherited}"
+    scaler = LossScaler()
+    for attr in (  # what GradScaler.__init__ sets, readable with GradScaler's meaning
+        "_device",
+        "_enabled",
+        "_init_scale",
+        "_scale",
+        "_growth_factor",
+        "_backoff_factor",
+        "_growth_interval",
+        "_init_growth_tracker",
+        "_growth_tracker",
+        "_per_optimizer_states",
+    ):
+        assert hasattr(scaler, attr), attr
+
+
+def test_like_gradscaler_sets_the_documented_arguments():
+    s = LossScaler.like_gradscaler("cpu", init_scale=512.0, growth_interval=7)
+    assert (s.hysteresis, s.min_scale, s.max_scale) == (1, 0.0, float("inf"))
+    assert (s._check_loss, s._check_finite) == (False, True)  # enabled: gradients checked
+    assert s.get_scale() == 512.0 and s.get_growth_interval() == 7 and s._device == "cpu"
+    off = LossScaler.like_gradscaler("cpu", enabled=False)
+    assert off._check_finite is False  # a disabled one is a pure pass-through
+    if not torch.cuda.is_available():  # GradScaler("cuda") without CUDA disables itself
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            assert not LossScaler.like_gradscaler().is_enabled()
+
+
+def test_defaults_keep_ampctls_bounds_and_forward_overflow_rule():
+    s = LossScaler()
+    assert (s.min_scale, s.max_scale, s.hysteresis) == (1.0, 2.0**24, 1)
+    assert s._check_loss and s._check_finite
+
+
+def test_gradscalers_positional_device_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"device='cuda'.*like_gradscaler\('cuda'"):
+        LossScaler("cuda")
+
+
+def test_unbounded_arguments_are_accepted_and_nan_is_not():
+    s = LossScaler(min_scale=0.0, max_scale=float("inf"))
+    assert s.min_scale == 0.0 and s.max_scale == float("inf")
+    with pytest.raises(ValueError, match="max_scale must be a number > 0"):
+        LossScaler(max_scale=float("nan"))
+    with pytest.raises(ValueError, match="min_scale must be a finite number >= 0"):
+        LossScaler(min_scale=float("inf"), max_scale=float("inf"))
+
+
+def _train(scaler, steps, plant_at=(), model=None):
+    model = model or _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = _batches(1)[0]
+    for i in range(steps):
+        opt.zero_grad()
+        scaler.scale(_loss(model, x, y)).backward()
+        if i in plant_at:
+            _plant(model, float("inf"))
+        scaler.step(opt)
+        scaler.update()
+    return model, opt
+
+
+def test_check_loss_false_backs_off_on_a_nonfinite_loss_like_gradscaler():
+    """check_loss=True (default): a NaN loss skips without backing off; False: as GradScaler."""
+    results = {}
+    for name, scaler in (
+        ("default", LossScaler(init_scale=1024.0)),
+        ("check_loss=False", LossScaler(init_scale=1024.0, check_loss=False)),
+        ("GradScaler", torch.amp.GradScaler("cpu", init_scale=1024.0)),
+    ):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batches(1)[0]
+        scaler.scale(_loss(model, x, y) * float("nan")).backward()
+        scaler.step(opt)
+        scaler.update()
+        results[name] = scaler.get_scale()
+    assert results == {"default": 1024.0, "check_loss=False": 512.0, "GradScaler": 512.0}
+
+
+def test_lowered_growth_interval_grows_where_gradscaler_never_would():
+    """The one deliberate difference: GradScaler grows only when its tracker *equals* the
+    interval, so after lowering the interval below the tracker it stops growing."""
+    ours = LossScaler.like_gradscaler("cpu", init_scale=8.0, growth_interval=10)
+    ref = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=10)
+    for s in (ours, ref):
+        _train(s, 5)
+        s.set_growth_interval(3)
+        _train(s, 4)
+    assert ref.get_scale() == 8.0 and ref._get_growth_tracker() == 9
+    assert ours.get_scale() == 32.0 and ours._get_growth_tracker() == 0  # grew at 6 and 3
+
+
+def test_writing_scale_works_with_ampctls_bounds_and_the_next_update_clamps():
+    scaler = LossScaler(init_scale=64.0, growth_interval=1000, min_scale=4.0, max_scale=128.0)
+    _train(scaler, 1)
+    scaler._scale = 1024.0  # a number is accepted too
+    assert scaler.get_scale() == 1024.0 and scaler.stats()["scale"] == 1024.0
+    _train(scaler, 1)
+    assert scaler.get_scale() == 128.0  # the update applies the bounds
+    scaler._scale.fill_(1.0)
+    _train(scaler, 1, plant_at=(0,))
+    assert scaler.get_scale() == 4.0
+    assert [h[1] for h in scaler.history()] == [64.0, 1024.0, 1.0]  # the scale each step used
+    with pytest.raises(ValueError, match="cannot be set to None"):
+        scaler._scale = None
+
+
+def test_scale_and_tracker_assigned_before_the_first_step():
+    s = LossScaler(init_scale=64.0, growth_interval=2)
+    s._scale = 16.0
+    s._growth_tracker = 1
+    assert s._scale is None and s.get_scale() == 16.0  # still lazy, the start values changed
+    _train(s, 1)
+    assert s.get_scale() == 32.0
+    t = LossScaler(init_scale=64.0)
+    t._scale = torch.tensor(8.0)  # a tensor creates the state on its device, as GradScaler's
+    assert t.device == torch.device("cpu") and t._scale.item() == 8.0
+
+
+def test_load_state_dict_keeps_the_live_scale_tensor():
+    s = LossScaler(init_scale=64.0)
+    _train(s, 2)
+    held = s._scale
+    s.load_state_dict(LossScaler(init_scale=1024.0).state_dict())
+    assert s._scale is held and held.item() == 1024.0
+
+
+def test_lazy_init_on_the_same_device_is_a_no_op_and_another_is_refused():
+    s = LossScaler(init_scale=64.0)
+    _train(s, 1)
+    held = s._scale
+    s._lazy_init_scale_growth_tracker("cpu")
+    assert s._scale is held
+    with pytest.raises(CallOrderError, match="already lives on cpu, not meta"):
+        s._lazy_init_scale_growth_tracker("meta")
+
+
+def test_pickle_keeps_ampctls_counters_and_history_but_not_the_reduce_hook():
+    s = LossScaler(init_scale=64.0, hysteresis=2, history_size=8)
+    s.reduce_flags = lambda flags: flags  # a process-local hook (closures do not pickle)
+    _train(s, 4, plant_at=(1, 2))
+    t = pickle.loads(pickle.dumps(s))
+    assert t.reduce_flags is None and t.device is None  # re-created at the next scale()
+    assert t.history() == s.history() and t.skipped_steps == 2 and t.num_steps == 4
+    assert t.hysteresis == 2 and t.state_dict()["_hysteresis_tracker"] == 0
+    for scaler in (s, t):
+        _train(scaler, 1, plant_at=(0,))
+    assert t.history() == s.history() and t.get_scale() == s.get_scale() == 16.0
+
+
+def test_update_new_scale_refuses_a_tensor_that_requires_grad():
+    s = LossScaler()
+    _train(s, 1)
+    with pytest.raises(ValueError, match="does not require grad"):
+        s.update(new_scale=torch.tensor(2.0, requires_grad=True))
+    with pytest.raises(ValueError, match="one-element tensor"):
+        s.update(new_scale=torch.ones(2))
+
+
+def test_call_order_errors_are_runtime_and_assertion_errors():
+    s = LossScaler()
+    with pytest.raises(CallOrderError) as e:
+        s.update()
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, AssertionError)
+
+
+def test_update_after_unscale_without_step_records_the_skip_without_host_reads():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=64.0)
+    x, y = _batches(1)[0]
+    scaler.scale(_loss(model, x, y)).backward()
+    _plant(model, float("inf"))
+    with count_host_reads() as reads:
+        scaler.unscale_(opt)
+        scaler.update()
+    assert reads.total == 0
+    assert scaler.get_scale() == 32.0 and scaler.skipped_steps == 1 and scaler.num_steps == 1
+
+
+def test_disabled_scaler_with_checks_passes_a_closure_through_and_records_the_step():
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    scaler = LossScaler(enabled=False)
+    x, y = _batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = scaler.scale((model(x) - y).pow(2).mean())
+        loss.backward()
+        return loss
+
+    assert torch.isfinite(scaler.step(opt, closure=closure))
+    scaler.update()
+    assert scaler.num_steps == 1 and scaler.skipped_steps == 0
+    with pytest.raises(RuntimeError, match="closures are not supported"):
+        LossScaler().step(opt, closure=closure)
+
+
+def test_found_inf_reduced_in_place_before_a_fused_step_skips_on_the_device():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = LossScaler(init_scale=64.0)
+    x, y = _batches(1)[0]
+    scaler.scale(_loss(model, x, y)).backward()
+    scaler.unscale_(opt)
+    for v in scaler._found_inf_per_device(opt).values():
+        v.fill_(1.0)  # another rank overflowed
+    before = [p.detach().clone() for p in model.parameters()]
+    with count_host_reads() as reads:
+        scaler.step(opt)
+        scaler.update()
+    assert reads.total == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 32.0 and scaler.skipped_steps == 1

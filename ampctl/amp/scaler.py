@@ -1,4 +1,4 @@
-"""LossScaler: a drop-in for ``torch.amp.GradScaler`` with hysteresis, bounds and observed skips.
+"""LossScaler: a ``torch.amp.GradScaler`` with hysteresis, bounds and observed skips.
 
 Call order (the same as GradScaler)::
 
@@ -15,9 +15,12 @@ What it adds to GradScaler:
   gradient overflow. The counter refills to ``hysteresis`` whenever the scale grows (after
   ``growth_interval`` consecutive clean steps), exactly as Megatron's ``DynamicGradScaler``.
   With ``hysteresis=1`` every gradient overflow backs off, as in GradScaler.
-* ``min_scale`` / ``max_scale`` clamp the scale (Apex's ceiling 2**24 by default).
-* Forward overflow is told apart from gradient overflow: a non-finite loss skips the step and is
-  counted, but the scale is not backed off (a smaller scale cannot cure it).
+* ``min_scale`` / ``max_scale`` clamp the scale (defaults 1 and Apex's ceiling 2**24;
+  ``min_scale=0`` and ``max_scale=inf`` remove the bounds, as in GradScaler).
+* Forward overflow is told apart from gradient overflow (``check_loss=True``): a non-finite loss
+  skips the step and is counted, but the scale is not backed off (a smaller scale cannot cure
+  it). ``check_loss=False`` decides from the gradients only, as GradScaler (a NaN loss gives NaN
+  gradients: skipped and backed off).
 * With scaling disabled (``enabled=False``, for bf16 / fp32) non-finite gradients are still
   detected and the step skipped (``check_finite=True``), so a bf16 run never applies a NaN
   update. ``check_finite=False`` makes a disabled scaler a pure pass-through, like GradScaler's.
@@ -26,32 +29,72 @@ What it adds to GradScaler:
   (update, scale used, kind) history -- kind 0 clean, 1 gradient overflow, 2 forward overflow --
   all in ``state_dict()``.
 
+A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true, and the
+GradScaler internals that training code reaches into act on the live state: ``_scale`` (the
+scale as a 0-dim float32 device tensor; reading it does not sync, assigning it or changing it in
+place sets the scale), ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker``,
+``_growth_factor``, ``_backoff_factor``, ``_growth_interval``, ``_enabled``, ``_device``,
+``_per_optimizer_states`` (keyed by ``id(optimizer)``, with GradScaler's ``OptState`` stages),
+``_found_inf_per_device(optimizer)`` (the flags ``step`` reads: all-reducing them in place between
+``unscale_`` and ``step`` makes every rank skip alike), ``_check_inf_per_device``,
+``_unscale_grads_``, ``_lazy_init_scale_growth_tracker``, ``_get_scale_async``, pickling and
+``copy.deepcopy`` (as GradScaler: only between iterations, the state re-created lazily), the
+optimizer ``grad_scaler=`` protocol and the ``grad_scale`` / ``found_inf`` one. GradScaler's own
+``__init__`` is not called and every GradScaler method is overridden (a test checks this), so no
+GradScaler code runs on state of its own.
+
+Bit for bit: ``LossScaler.like_gradscaler(device, init_scale, growth_factor, backoff_factor,
+growth_interval, enabled)`` takes GradScaler's arguments and sets ``hysteresis=1,
+min_scale=0, max_scale=inf, check_loss=False, check_finite=False``; it then gives GradScaler's
+scale trajectory, skipped steps and weights bit for bit. Any LossScaler with ``hysteresis=1``
+does so while the scale stays within [min_scale, max_scale] (defaults 1 and 2**24), no loss is
+non-finite (or ``check_loss=False``) and, when disabled, no gradient is (or
+``check_finite=False``). One deliberate difference remains: GradScaler grows only when its
+growth tracker *equals* ``growth_interval``, so after the interval is lowered below the tracker
+it never grows again until an overflow; LossScaler grows at the next clean step.
+
 Host reads: ``step`` reads one flag per optimizer per step (to decide whether to call
 ``optimizer.step()``); with an optimizer that handles scaling itself
 (``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) it reads nothing. ``scale``,
-``unscale_`` and ``update`` never read the device.
+``unscale_``, ``update`` and reading ``_scale`` never read the device.
 """
 
 from __future__ import annotations
 
-import enum
 import inspect
 import math
+import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from .overflow import check_and_unscale_
 
-__all__ = ["LossScaler", "OptState", "next_scale"]
+__all__ = ["CallOrderError", "LossScaler", "OptState", "next_scale"]
+
+# The device tensors besides the history, in the order state_dict() reads them.
+_SCALARS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "skipped_total",
+    "forward_overflows",
+    "consecutive_overflows",
+    "last_skipped",
+)
+_DTYPES = {"scale": torch.float32, "growth_tracker": torch.int32, "hysteresis_tracker": torch.int32}
 
 
-class OptState(enum.Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+class CallOrderError(RuntimeError, AssertionError):
+    """The scaler's methods were called out of order (the message says the fix).
+
+    GradScaler raises ``RuntimeError`` for some of these and ``AssertionError`` for others (a
+    call before ``scale()``, ``update()`` with nothing recorded); this is both, so code that
+    catches either keeps working.
+    """
 
 
 def next_scale(
@@ -72,7 +115,8 @@ def next_scale(
 
     Returns ``(scale, growth_tracker, hysteresis_tracker)`` for the next step.
     With ``hysteresis=1`` and bounds that are not reached it is GradScaler's
-    ``_amp_update_scale_`` bit for bit (factors applied in float64, stored in float32).
+    ``_amp_update_scale_`` bit for bit (factors applied in float64, stored in float32), except
+    that it grows once the tracker *reaches* ``growth_interval`` where GradScaler needs equality.
     """
     grad_overflow = grad_overflow.bool()
     forward_overflow = forward_overflow.bool()
@@ -107,8 +151,8 @@ def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
         raise ValueError(f"LossScaler: {name}={value!r} is not allowed; {name} must be {allowed}")
 
 
-class LossScaler:
-    """Dynamic loss scaler, drop-in for ``torch.amp.GradScaler`` (see the module docstring).
+class LossScaler(torch.amp.GradScaler):
+    """Dynamic loss scaler and ``torch.amp.GradScaler`` (see the module docstring).
 
     Args:
         init_scale: initial scale, > 0 (default 2**16).
@@ -116,11 +160,24 @@ class LossScaler:
         backoff_factor: multiplier on a gradient overflow, in (0, 1).
         growth_interval: consecutive clean steps before growing, >= 1.
         hysteresis: gradient overflows tolerated before backing off, >= 1 (refilled on growth).
-        min_scale / max_scale: bounds of the scale, 0 < min_scale <= max_scale.
+        min_scale / max_scale: bounds of the scale, 0 <= min_scale <= max_scale <= inf
+            (defaults 1 and 2**24; 0 and inf: no bounds).
         enabled: scale the loss. When False the scale is 1 and never changes.
         check_finite: detect non-finite gradients and skip those steps even when ``enabled`` is
-            False (bf16 / fp32). Always on when enabled.
+            False (bf16 / fp32). Always on when enabled. False with ``enabled=False``: a pure
+            pass-through, as a disabled GradScaler (empty ``state_dict()``).
+        check_loss: check the loss in ``scale()``; a non-finite loss skips the step without
+            backing off (forward overflow, counted). False: decide from the gradients only, as
+            GradScaler.
         history_size: how many (step, scale, skipped) records to keep, >= 1.
+        device: GradScaler's device type (``_device``), e.g. ``"cuda"``; only
+            ``_lazy_init_scale_growth_tracker(scaler._device)`` callers use it. The state is
+            created on the loss's device at the first ``scale()`` either way. Default: the
+            state's device once it exists, else ``"cuda"`` when available, else ``"cpu"``.
+
+    GradScaler's first positional argument is the device; here it is ``init_scale``. To swap
+    ``GradScaler("cuda", ...)`` write ``LossScaler.like_gradscaler("cuda", ...)`` (GradScaler's
+    behaviour bit for bit) or ``LossScaler(..., device="cuda")`` (ampctl's defaults).
     """
 
     def __init__(
@@ -135,8 +192,18 @@ class LossScaler:
         enabled: bool = True,
         *,
         check_finite: bool = True,
+        check_loss: bool = True,
         history_size: int = 1024,
+        device: str | torch.device | None = None,
     ) -> None:
+        # GradScaler.__init__ is deliberately not called: it would disable itself for
+        # device="cuda" without CUDA and set plain attributes that are properties here.
+        if isinstance(init_scale, str | torch.device):
+            raise ValueError(
+                f"LossScaler: init_scale={str(init_scale)!r} is not allowed; it looks like "
+                f"GradScaler's device argument: write LossScaler(device={str(init_scale)!r}, ...) "
+                f"or LossScaler.like_gradscaler({str(init_scale)!r}, ...)"
+            )
         _check_range("init_scale", init_scale, _finite_pos(init_scale), "a finite number > 0")
         # the setters validate (one place for each rule, shared with later changes)
         self.set_growth_factor(growth_factor)
@@ -150,8 +217,10 @@ class LossScaler:
             _is_int(history_size) and history_size >= 1,
             "an integer >= 1",
         )
+        self._device_type: str | None = None if device is None else torch.device(device).type
         self._enabled = bool(enabled)
         self._check_finite = bool(check_finite) or self._enabled
+        self._check_loss = bool(check_loss)
         self._history_size = int(history_size)
         # Values the device tensors start from (lazily created on the first scale(), on the
         # loss's device, as GradScaler does); load_state_dict before that lands here.
@@ -169,45 +238,73 @@ class LossScaler:
         self._last_read: bool | None = None
         self._t: dict[str, torch.Tensor] | None = None  # device state
         self._loss_nonfinite: torch.Tensor | None = None  # this step, OR over scale() calls
-        self._per_opt: dict[int, dict[str, Any]] = defaultdict(_fresh_opt_state)
+        # GradScaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {...}},
+        # plus "flags" once step() has decided.
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_opt_state)
         # What step() read on the host for the last step: True/False (skipped or not), or None
         # when no read was made (fused optimizer). Free to use: the read already happened.
         self.last_skip_read: bool | None = None
         # Distributed hook: given this step's flags (float32 [grad overflow, forward overflow] on
         # the device), return the flags all ranks agree on (an all-reduce MAX). It runs inside
         # step(), before the one host read, so every rank skips the same steps and keeps the
-        # same scale. None = single process.
+        # same scale. None = single process. Not pickled (it holds process-local handles).
         self.reduce_flags: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def like_gradscaler(
+        cls,
+        device: str | torch.device = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        history_size: int = 1024,
+    ) -> LossScaler:
+        """A LossScaler that behaves as ``torch.amp.GradScaler(device, ...)`` bit for bit.
+
+        Same arguments as GradScaler; sets ``hysteresis=1, min_scale=0, max_scale=inf,
+        check_loss=False, check_finite=False``. The skip counters and history still work. Like
+        GradScaler, ``device="cuda"`` without CUDA warns and disables scaling.
+        """
+        if enabled and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "LossScaler.like_gradscaler: device='cuda' but CUDA is not available; "
+                "scaling is disabled (as torch.amp.GradScaler does).",
+                stacklevel=2,
+            )
+            enabled = False
+        return cls(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis=1,
+            min_scale=0.0,
+            max_scale=math.inf,
+            enabled=enabled,
+            check_finite=False,
+            check_loss=False,
+            history_size=history_size,
+            device=device,
+        )
 
     # ------------------------------------------------------------------ device state
     def _lazy_init(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._t is None:
             i = self._init
-            self._t = {
-                "scale": torch.full((), i["scale"], dtype=torch.float32, device=device),
-                "growth_tracker": torch.full(
-                    (), i["growth_tracker"], dtype=torch.int32, device=device
-                ),
-                "hysteresis_tracker": torch.full(
-                    (), i["hysteresis_tracker"], dtype=torch.int32, device=device
-                ),
-                "skipped_total": torch.full(
-                    (), i["skipped_total"], dtype=torch.int64, device=device
-                ),
-                "forward_overflows": torch.full(
-                    (), i["forward_overflows"], dtype=torch.int64, device=device
-                ),
-                "consecutive_overflows": torch.full(
-                    (), i["consecutive_overflows"], dtype=torch.int64, device=device
-                ),
-                "last_skipped": torch.full((), i["last_skipped"], dtype=torch.int64, device=device),
-                "history": torch.zeros(self._history_size, 3, dtype=torch.float64, device=device),
+            t = {
+                k: torch.full((), i[k], dtype=_DTYPES.get(k, torch.int64), device=device)
+                for k in _SCALARS
             }
+            t["history"] = torch.zeros(self._history_size, 3, dtype=torch.float64, device=device)
             old = i["history"][-self._history_size :]
             n = old.shape[0]
             # ring buffer: record k lives at row k % history_size
             for k in range(n):
-                self._t["history"][(self._num_updates - n + k) % self._history_size] = old[k]
+                t["history"][(self._num_updates - n + k) % self._history_size] = old[k]
+            self._t = t
         return self._t
 
     def init_state(self, device: torch.device | str) -> None:
@@ -220,16 +317,192 @@ class LossScaler:
         """Device of the scaler's state (None before the first ``scale()``)."""
         return None if self._t is None else self._t["scale"].device
 
+    def _values(self, history: bool = True) -> dict[str, Any]:
+        """The state as host values, in the form of ``_init`` (without ``history`` unless
+        asked). **Syncs**: one transfer for the scalars, one for the history."""
+        if self._t is None:
+            vals = dict(self._init)
+        else:
+            read = torch.stack([self._t[k].double() for k in _SCALARS]).tolist()
+            vals = {k: int(v) for k, v in zip(_SCALARS, read, strict=True)}
+            vals["scale"] = float(read[0])
+        if history:
+            vals["history"] = self._history_tensor()
+        else:
+            vals.pop("history", None)
+        return vals
+
+    def _assign(self, key: str, value: Any) -> None:
+        """``scaler._scale = v`` / ``scaler._growth_tracker = v``: write into the live tensor
+        (moving the whole state if ``v`` is on another device), as GradScaler's attribute
+        assignment would replace its tensor. A number assigned before the state exists changes
+        the start value. No device read."""
+        if value is None:
+            raise ValueError(
+                f"LossScaler: {key!r} cannot be set to None; to start over, load a state_dict"
+            )
+        v = torch.as_tensor(value).detach()
+        if v.numel() != 1:
+            raise ValueError(f"LossScaler: {key!r} takes one value, got shape {tuple(v.shape)}")
+        if self._t is None:
+            if not isinstance(value, torch.Tensor):
+                self._init[key] = v.item()
+                return
+            self._lazy_init(v.device)
+        assert self._t is not None
+        if v.device != self._t[key].device:
+            self._t = {k: t.to(v.device) for k, t in self._t.items()}
+        with torch.no_grad():
+            self._t[key].copy_(v.reshape(()))
+
+    # ------------------------------------------------------------- GradScaler attributes
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """GradScaler's scale tensor: the live 0-dim float32 scale on the device (None before
+        the first ``scale()``); assigning it or changing it in place sets the scale. Absent
+        when disabled, as in GradScaler (``hasattr(scaler, "_scale")`` is False). No host read."""
+        if not self._enabled:
+            raise AttributeError("'LossScaler' object has no attribute '_scale' (disabled)")
+        return None if self._t is None else self._t["scale"]
+
+    @_scale.setter
+    def _scale(self, value: Any) -> None:
+        self._assign("scale", value)
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """GradScaler's growth tracker: the live int32 count of consecutive clean steps (None
+        before the first ``scale()``; absent when disabled). No host read."""
+        if not self._enabled:
+            raise AttributeError(
+                "'LossScaler' object has no attribute '_growth_tracker' (disabled)"
+            )
+        return None if self._t is None else self._t["growth_tracker"]
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: Any) -> None:
+        self._assign("growth_tracker", value)
+
+    @property
+    def _init_scale(self) -> float:
+        """The scale the device state starts from (GradScaler's meaning: set by the
+        constructor, ``load_state_dict`` and unpickling). Absent when disabled."""
+        if not self._enabled:
+            raise AttributeError("'LossScaler' object has no attribute '_init_scale' (disabled)")
+        return self._init["scale"]
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._init["scale"] = float(value)
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """The growth tracker the device state starts from. Absent when disabled."""
+        if not self._enabled:
+            raise AttributeError(
+                "'LossScaler' object has no attribute '_init_growth_tracker' (disabled)"
+            )
+        return self._init["growth_tracker"]
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._init["growth_tracker"] = int(value)
+
+    @property
+    def _device(self) -> str:
+        """GradScaler's device type string: the state's once it exists, else the ``device``
+        argument, else ``"cuda"`` when available, else ``"cpu"``."""
+        if self._t is not None:
+            return self._t["scale"].device.type
+        if self._device_type is not None:
+            return self._device_type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @_device.setter
+    def _device(self, value: str | torch.device) -> None:
+        self._device_type = torch.device(value).type
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Create the device state on ``dev`` now, from ``_init_scale`` / the loaded state
+        (Accelerate's FSDP2 load path calls this after ``load_state_dict``). Already created on
+        that device: nothing to do (GradScaler would raise). No host read."""
+        dev = torch.device(dev)
+        if self._t is not None:
+            cur = self._t["scale"].device
+            if cur.type == dev.type and dev.index in (None, cur.index):
+                return
+            raise CallOrderError(
+                f"LossScaler: the state already lives on {cur}, not {dev}; assign "
+                f"scaler._scale = scaler._scale.to({str(dev)!r}) to move it"
+            )
+        self._lazy_init(dev)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, growth_tracker)`` device tensors; raises before the first ``scale()``."""
+        t = self._require_init(funcname)
+        return t["scale"], t["growth_tracker"]
+
+    def _require_init(self, fn: str) -> dict[str, torch.Tensor]:
+        if self._t is None:
+            raise CallOrderError(
+                f"LossScaler.{fn}() was called before scale(): call scaler.scale(loss).backward() "
+                f"first in each iteration, then unscale_/step/update."
+            )
+        return self._t
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor without a host read (GradScaler's name for ``_scale``)."""
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        """The growth tracker as an int (0 when disabled). **Syncs.**"""
+        if not self._enabled:
+            return 0
+        if self._t is None:
+            return int(self._init["growth_tracker"])
+        return int(self._t["growth_tracker"].item())
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """``{device: float32 0-dim flag}`` recorded for ``optimizer`` by ``unscale_`` / ``step``
+        this iteration: 1.0 where a gradient was inf/NaN. ``step`` reads these very tensors, so
+        reducing them in place (``dist.all_reduce(v, MAX)``) before ``step`` decides for all
+        ranks. No host read."""
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """Check ``optimizer``'s gradients for inf/NaN without unscaling them; record and return
+        the per-device flags (the stage stays as it is). No host read."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
+        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        st = self._per_optimizer_states[id(optimizer)]
+        st["found_inf_per_device"] = self._unscale_grads_(optimizer, one, found, True)
+        return st["found_inf_per_device"]
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply ``optimizer``'s gradients by ``inv_scale`` and flag inf/NaN, fused per
+        (device, dtype); returns ``{device: flag}``. No host read."""
+        return check_and_unscale_(self._grads(optimizer, allow_fp16), inv_scale, found_inf)
+
     # ------------------------------------------------------------------ GradScaler API
     def scale(self, outputs):
-        """Multiply a loss (or a tensor / iterable of tensors) by the scale.
+        """Multiply a loss (or a tensor / nested iterable of tensors) by the scale.
 
-        Also records, on the device, whether the loss is finite (forward-overflow detection).
-        Does not read the device on the host.
+        With ``check_loss`` also records, on the device, whether the loss is finite
+        (forward-overflow detection). Disabled: returns ``outputs`` itself. Does not read the
+        device on the host.
         """
+        if not self._check_finite:
+            return outputs
         if isinstance(outputs, torch.Tensor):
             t = self._lazy_init(outputs.device)
-            if self._check_finite:
+            if self._check_loss:
                 nonfinite = ~torch.isfinite(outputs.detach()).all()
                 self._loss_nonfinite = (
                     nonfinite if self._loss_nonfinite is None else self._loss_nonfinite | nonfinite
@@ -237,20 +510,20 @@ class LossScaler:
             if not self._enabled:
                 return outputs
             return outputs * t["scale"].to(device=outputs.device, non_blocking=True)
+        if not self._enabled:  # record the losses, hand back what was given
+            if isinstance(outputs, list | tuple):
+                for o in outputs:
+                    self.scale(o)
+                return outputs
+            return map(self.scale, outputs) if isinstance(outputs, Iterable) else outputs
         if isinstance(outputs, list | tuple):
-            scaled = [self.scale(o) for o in outputs]
-            return type(outputs)(scaled) if isinstance(outputs, tuple) else scaled
-        if hasattr(outputs, "__iter__"):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable):
             return map(self.scale, outputs)
-        raise ValueError("LossScaler.scale: outputs must be a Tensor or an iterable of Tensors")
-
-    def _require_init(self, fn: str) -> dict[str, torch.Tensor]:
-        if self._t is None:
-            raise RuntimeError(
-                f"LossScaler.{fn}() was called before scale(): call scaler.scale(loss).backward() "
-                f"first in each iteration, then unscale_/step/update."
-            )
-        return self._t
+        raise ValueError(
+            f"LossScaler.scale: outputs must be a Tensor or an iterable of Tensors, "
+            f"got {type(outputs).__name__}"
+        )
 
     def _grads(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
         grads: list[torch.Tensor] = []
@@ -281,25 +554,31 @@ class LossScaler:
         if not self._check_finite:
             return
         t = self._require_init("unscale_")
-        st = self._per_opt[id(optimizer)]
+        st = self._per_optimizer_states[id(optimizer)]
         if st["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
+            raise CallOrderError(
                 "LossScaler.unscale_() was already called for this optimizer in this step: call it "
                 "once per step, after all backward passes, and call update() before the next step."
             )
         if st["stage"] is OptState.STEPPED:
-            raise RuntimeError(
+            raise CallOrderError(
                 "LossScaler.unscale_() was called after step(): call unscale_ before step(), "
                 "or call update() to start the next step."
             )
-        inv = t["scale"].double().reciprocal().float()
-        found = torch.zeros((), dtype=torch.float32, device=t["scale"].device)
-        st["found_inf_per_device"] = check_and_unscale_(
-            self._grads(optimizer, allow_fp16=not self._enabled), inv, found
+        scale = t["scale"]
+        # the reciprocal in float64, as GradScaler (MPS has no float64)
+        inv = (
+            scale.reciprocal()
+            if scale.device.type == "mps"
+            else scale.double().reciprocal().float()
+        )
+        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        st["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, inv, found, allow_fp16=not self._enabled
         )
         st["stage"] = OptState.UNSCALED
 
-    def _flags(self, found_per_device: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+    def _flags(self, found_per_device: dict[Any, torch.Tensor]) -> torch.Tensor:
         """``[gradient overflow, forward overflow]`` for one optimizer as a float32 2-vector on
         the scale's device, agreed across ranks by ``reduce_flags`` when set. No host read."""
         t = self._t
@@ -307,7 +586,7 @@ class LossScaler:
         dev = t["scale"].device
         grad = torch.zeros((), dtype=torch.float32, device=dev)
         for f in found_per_device.values():
-            grad = grad + f.to(dev, non_blocking=True)
+            grad = grad + f.to(dev, non_blocking=True).reshape(())
         fwd = (
             self._loss_nonfinite.to(dev).float()
             if self._loss_nonfinite is not None
@@ -323,83 +602,133 @@ class LossScaler:
 
         A skipped step leaves weights and optimizer state untouched; gradients stay unscaled.
         **Syncs once** (reads the skip flag) -- except with an optimizer that supports AMP
-        scaling natively (``_step_supports_amp_scaling``, e.g. fused AdamW), which receives
-        ``grad_scale`` / ``found_inf`` tensors and skips on the device: no host read.
+        scaling natively (``_step_supports_amp_scaling``): one whose ``step`` takes
+        ``grad_scaler`` gets this scaler (GradScaler's deprecated protocol, with its
+        FutureWarning), any other (e.g. fused AdamW) gets ``grad_scale`` / ``found_inf`` tensors
+        and skips on the device: no host read.
         """
         if not self._check_finite:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
+            if not self._enabled:  # as a disabled GradScaler: a closure passes through unchecked
+                return self._unchecked_step(optimizer, *args, **kwargs)
             raise RuntimeError(
                 "LossScaler.step: closures are not supported; compute the loss before step()."
             )
-        t = self._require_init("step")
-        st = self._per_opt[id(optimizer)]
+        self._require_init("step")
+        st = self._per_optimizer_states[id(optimizer)]
         if st["stage"] is OptState.STEPPED:
-            raise RuntimeError(
+            raise CallOrderError(
                 "LossScaler.step() was already called for this optimizer in this step: call "
                 "update() after step(), once per iteration."
             )
-        if (
-            getattr(optimizer, "_step_supports_amp_scaling", False)
-            and "grad_scaler" not in inspect.signature(optimizer.step).parameters
-        ):
-            if st["stage"] is OptState.READY:
-                one = torch.ones((), dtype=torch.float32, device=t["scale"].device)
-                found = torch.zeros((), dtype=torch.float32, device=t["scale"].device)
-                st["found_inf_per_device"] = check_and_unscale_(
-                    self._grads(optimizer, allow_fp16=True), one, found
-                )
-                optimizer.grad_scale = t["scale"] if self._enabled else None  # type: ignore[attr-defined]
-            else:
-                optimizer.grad_scale = None  # type: ignore[attr-defined]
-            st["flags"] = self._flags(st["found_inf_per_device"])
-            self.last_skip_read = None
-            optimizer.found_inf = st["flags"].amax()  # type: ignore[attr-defined]
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            st["stage"] = OptState.STEPPED
-            return retval
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._amp_aware_step(optimizer, st, args, kwargs)
         if st["stage"] is OptState.READY:
             self.unscale_(optimizer)
         st["flags"] = self._flags(st["found_inf_per_device"])
-        retval = None
-        skip = bool(st["flags"].amax().item())  # the one host read of the step
+        retval = self._maybe_opt_step(optimizer, st, *args, **kwargs)
+        st["stage"] = OptState.STEPPED
+        return retval
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ):
+        """Call ``optimizer.step()`` unless this step's flags say overflow. **Syncs once.**"""
+        flags = optimizer_state.get("flags")
+        if flags is None:
+            flags = optimizer_state["flags"] = self._flags(optimizer_state["found_inf_per_device"])
+        skip = bool(flags.amax().item())  # the one host read of the step
         self.last_skip_read = skip if self.last_skip_read is None else (self.last_skip_read or skip)
-        if not skip:
+        return None if skip else optimizer.step(*args, **kwargs)
+
+    def _unchecked_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        """A disabled scaler's step with a closure: run it and record a clean step."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        t = self._lazy_init(params[0].device if params else torch.device("cpu"))
+        st = self._per_optimizer_states[id(optimizer)]
+        st["flags"] = torch.zeros(2, dtype=torch.float32, device=t["scale"].device)
+        st["stage"] = OptState.STEPPED
+        self.last_skip_read = None
+        return optimizer.step(*args, **kwargs)
+
+    def _amp_aware_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        st: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ):
+        """``step`` for an optimizer with ``_step_supports_amp_scaling``. No host read."""
+        assert self._t is not None
+        self.last_skip_read = None  # no read: the step's outcome is not known on the host
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "LossScaler passes itself as grad_scaler= to this optimizer, as GradScaler does; "
+                "GradScaler is going to stop passing itself and set `grad_scale` and `found_inf` "
+                "tensors on the optimizer instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            # what the optimizer recorded (via unscale_ / _check_inf_per_device) decides update()
+            st["flags"] = self._flags(st["found_inf_per_device"])
+            st["stage"] = OptState.STEPPED
+            return retval
+        user_scale = getattr(optimizer, "grad_scale", None)
+        if st["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+            if self._enabled:  # the kernel unscales: hand it the scale (times the user's own)
+                scale = self._t["scale"]
+                user_scale = scale if user_scale is None else scale * user_scale
+        st["flags"] = self._flags(st["found_inf_per_device"])
+        optimizer.grad_scale = user_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = st["flags"].amax()  # type: ignore[attr-defined]
+        try:
             retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
         st["stage"] = OptState.STEPPED
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Record the step (skipped or not) and update the scale, all on the device.
 
-        ``new_scale`` sets the scale by hand (clamped to the bounds). Does not read the device.
+        The overflow flags of every optimizer stepped -- or only unscaled / checked -- this
+        iteration count. ``new_scale`` (a number or a one-element tensor, copied) sets the scale
+        by hand, clamped to the bounds; the growth tracker is left as it is, as in GradScaler.
+        Does not read the device.
         """
         if not self._check_finite:
             return
         t = self._require_init("update")
         self._last_read = self.last_skip_read
         self.last_skip_read = None
-        stepped = [s["flags"] for s in self._per_opt.values() if "flags" in s]
-        if not stepped and new_scale is None:
-            raise RuntimeError(
+        recorded = [
+            s["flags"] if "flags" in s else self._flags(s["found_inf_per_device"])
+            for s in self._per_optimizer_states.values()
+            if "flags" in s or s["found_inf_per_device"]
+        ]
+        if not recorded and new_scale is None:
+            raise CallOrderError(
                 "LossScaler.update() was called before step(): call scaler.step(optimizer) for "
                 "every optimizer, then update() once per iteration."
             )
         dev = t["scale"].device
-        flags = torch.stack(stepped).amax(0) if stepped else torch.zeros(2, device=dev)
+        flags = torch.stack(recorded).amax(0) if recorded else torch.zeros(2, device=dev)
         fwd = flags[1] > 0
         grad_overflow = (flags[0] > 0) & ~fwd
         skipped_b = (flags[0] > 0) | fwd
         used_scale = t["scale"].clone()
-        if new_scale is not None and self._enabled:
-            value = (
-                new_scale if isinstance(new_scale, torch.Tensor) else torch.tensor(float(new_scale))
-            )
-            t["scale"].copy_(value.to(dev, torch.float32).clamp(self._min_scale, self._max_scale))
+        if new_scale is not None:
+            value = _new_scale_tensor(new_scale)
+            if self._enabled:
+                t["scale"].copy_(value.to(dev).clamp(self._min_scale, self._max_scale))
         elif self._enabled:
             s, g, h = next_scale(
                 t["scale"],
@@ -417,7 +746,7 @@ class LossScaler:
             t["scale"].copy_(s)
             t["growth_tracker"].copy_(g)
             t["hysteresis_tracker"].copy_(h)
-        if stepped:
+        if recorded:
             sk = skipped_b.long()
             t["skipped_total"].add_(sk)
             t["forward_overflows"].add_(fwd.long())
@@ -433,7 +762,7 @@ class LossScaler:
             t["history"][self._num_updates % self._history_size].copy_(row)
             self._num_updates += 1
         self._loss_nonfinite = None
-        self._per_opt = defaultdict(_fresh_opt_state)
+        self._per_optimizer_states = defaultdict(_fresh_opt_state)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when scaling is disabled). **Syncs.**"""
@@ -485,9 +814,16 @@ class LossScaler:
         self._hysteresis = int(hysteresis)
 
     def set_bounds(self, min_scale: float, max_scale: float) -> None:
-        """Change the scale bounds (applied at the next update)."""
-        _check_range("min_scale", min_scale, _finite_pos(min_scale), "a finite number > 0")
-        _check_range("max_scale", max_scale, _finite_pos(max_scale), "a finite number > 0")
+        """Change the scale bounds (applied at the next update); 0 and inf mean no bound."""
+        _check_range(
+            "min_scale", min_scale, _finite(min_scale) and min_scale >= 0, "a finite number >= 0"
+        )
+        _check_range(
+            "max_scale",
+            max_scale,
+            _number(max_scale) and not math.isnan(max_scale) and max_scale > 0,
+            "a number > 0 (inf for no ceiling)",
+        )
         _check_range(
             "min_scale", min_scale, min_scale <= max_scale, f"<= max_scale ({max_scale!r})"
         )
@@ -594,33 +930,13 @@ class LossScaler:
 
     def stats(self) -> dict[str, Any]:
         """Scale and skip counters as Python values, read in one transfer. **Syncs.**"""
-        if self._t is None:
-            vals = [float(self._init["scale"])] + [
-                float(self._init[k])
-                for k in (
-                    "skipped_total",
-                    "forward_overflows",
-                    "consecutive_overflows",
-                    "last_skipped",
-                )
-            ]
-        else:
-            t = self._t
-            vals = torch.stack(
-                [
-                    t["scale"].double(),
-                    t["skipped_total"].double(),
-                    t["forward_overflows"].double(),
-                    t["consecutive_overflows"].double(),
-                    t["last_skipped"].double(),
-                ]
-            ).tolist()
+        v = self._values(history=False)
         return {
-            "scale": vals[0] if self._enabled else 1.0,
-            "skipped_total": int(vals[1]),
-            "forward_overflows": int(vals[2]),
-            "consecutive_overflows": int(vals[3]),
-            "last_skipped": bool(vals[4]),
+            "scale": float(v["scale"]) if self._enabled else 1.0,
+            "skipped_total": int(v["skipped_total"]),
+            "forward_overflows": int(v["forward_overflows"]),
+            "consecutive_overflows": int(v["consecutive_overflows"]),
+            "last_skipped": bool(v["last_skipped"]),
             "steps": self._num_updates,
         }
 
@@ -628,44 +944,42 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's keys plus hysteresis, bounds, counters and history. **Syncs.**
 
-        Only plain numbers and CPU tensors: loadable with ``torch.load(weights_only=True)``.
+        Only plain numbers and CPU tensors: loadable with ``torch.load(weights_only=True)``, and
+        by a GradScaler (which reads its five keys). A pure pass-through (disabled,
+        ``check_finite=False``) returns ``{}``, as a disabled GradScaler.
         """
-        if self._t is None:
-            vals = {k: v for k, v in self._init.items() if k != "history"}
-        else:
-            names = [
-                "scale",
-                "growth_tracker",
-                "hysteresis_tracker",
-                "skipped_total",
-                "forward_overflows",
-                "consecutive_overflows",
-                "last_skipped",
-            ]
-            read = torch.stack([self._t[k].double() for k in names]).tolist()
-            vals = dict(zip(names, read, strict=True))
+        if not self._check_finite:
+            return {}
+        v = self._values()
         return {
-            "scale": float(vals["scale"]),
+            "scale": float(v["scale"]),
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
-            "_growth_tracker": int(vals["growth_tracker"]),
+            "_growth_tracker": int(v["growth_tracker"]),
             "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": int(vals["hysteresis_tracker"]),
+            "_hysteresis_tracker": int(v["hysteresis_tracker"]),
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
             "enabled": self._enabled,
-            "skipped_total": int(vals["skipped_total"]),
-            "forward_overflows": int(vals["forward_overflows"]),
-            "consecutive_overflows": int(vals["consecutive_overflows"]),
-            "last_skipped": int(vals["last_skipped"]),
+            "skipped_total": int(v["skipped_total"]),
+            "forward_overflows": int(v["forward_overflows"]),
+            "consecutive_overflows": int(v["consecutive_overflows"]),
+            "last_skipped": int(v["last_skipped"]),
             "num_updates": self._num_updates,
-            "history": self._history_tensor(),
+            "history": v["history"],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from ``state_dict()`` (a GradScaler state dict is accepted too)."""
+        """Restore from ``state_dict()``; a GradScaler state dict is accepted too (counters and
+        history then start from zero). Created device tensors are overwritten in place, so a
+        held ``scaler._scale`` stays live. A disabled scaler ignores an empty dict (what a
+        disabled GradScaler saves); a pure pass-through ignores any."""
+        if not self._check_finite:
+            return
         if not state_dict:
+            if not self._enabled:
+                return
             raise RuntimeError(
                 "LossScaler.load_state_dict: the state dict is empty (saved from a disabled "
                 "GradScaler?); nothing to restore."
@@ -691,7 +1005,7 @@ class LossScaler:
         self._max_scale = float(state_dict.get("max_scale", self._max_scale))
         self._num_updates = int(state_dict.get("num_updates", 0))
         hist = state_dict.get("history")
-        init = {
+        self._init = {
             "scale": float(state_dict["scale"]) if self._enabled else 1.0,
             "growth_tracker": int(state_dict["_growth_tracker"]),
             "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self._hysteresis)),
@@ -705,21 +1019,64 @@ class LossScaler:
                 else torch.zeros(0, 3, dtype=torch.float64)
             ),
         }
-        device = self.device
-        self._init = init
-        self._t = None
+        old, self._t = self._t, None
         self._loss_nonfinite = None
-        self._per_opt = defaultdict(_fresh_opt_state)
-        if device is not None:
-            self._lazy_init(device)
+        self._per_optimizer_states = defaultdict(_fresh_opt_state)
+        if old is not None:
+            new = self._lazy_init(old["scale"].device)
+            for k in _SCALARS:  # keep the live tensors, as GradScaler's fill_
+                old[k].copy_(new[k])
+                new[k] = old[k]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle / deepcopy between iterations only (as GradScaler): the device state goes as
+        host values and is re-created lazily at the next ``scale()``; ``reduce_flags`` is not
+        kept. **Syncs.**"""
+        if self._enabled and len(self._per_optimizer_states) != 0:
+            raise CallOrderError(
+                "LossScaler can be pickled or copied only at the start of an iteration or after "
+                "update(), not between scale() and update()."
+            )
+        state = self.__dict__.copy()
+        state["_init"] = self._values()
+        state["_t"] = None
+        state["_loss_nonfinite"] = None
+        state["reduce_flags"] = None
+        state["_per_optimizer_states"] = defaultdict(_fresh_opt_state)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _new_scale_tensor(new_scale: Any) -> torch.Tensor:
+    """``update(new_scale=...)``'s value as a detached float32 0-dim tensor (copied)."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "LossScaler.update: new_scale must be a number or a one-element tensor that does "
+                f"not require grad (got shape {tuple(new_scale.shape)}, "
+                f"requires_grad={new_scale.requires_grad})"
+            )
+        return new_scale.detach().to(torch.float32).reshape(())
+    if not _number(new_scale):
+        raise ValueError(
+            f"LossScaler.update: new_scale={new_scale!r} is not allowed; give a number or a "
+            f"one-element tensor"
+        )
+    return torch.tensor(float(new_scale), dtype=torch.float32)
 
 
 def _fresh_opt_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    return _number(x) and math.isfinite(x)
 
 
 def _finite_pos(x: Any) -> bool:
