@@ -58,6 +58,7 @@ def no_hooks(model: nn.Module) -> bool:
 def test_plan_and_convert_apply_the_default_exclusions_and_torchaos_dim_rule():
     model = Tiny()
     params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
     p = fp8.plan(model)
     assert p.convert == ["block.0", "block.2"]
     assert p.skip == {
@@ -71,6 +72,7 @@ def test_plan_and_convert_apply_the_default_exclusions_and_torchaos_dim_rule():
     assert type(model.lm_head) is nn.Linear and type(model.odd) is nn.Linear
     # the Parameter objects are the same: an optimizer built before converting stays valid
     assert all(p is params[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys  # checkpoints load across fp8 and bf16 models
     assert fp8.cast_formats(model.block[0]) == {"in": "e4m3", "w": "e4m3", "go": "e5m2"}
     assert fp8.plan(model).skip["block.0"] == "already fp8"
     assert fp8.convert(model) == []  # nothing left to convert
