@@ -302,6 +302,16 @@ def test_probe_leaves_no_hooks_and_makes_no_host_read_disabled_or_enabled():
     assert torch.equal(p.rows(), before)
 
 
+def test_probe_refuses_a_compiled_wrapper_whose_graph_would_skip_its_hooks():
+    model = nn.Sequential(nn.Linear(16, 16))
+    fp8.convert(model)
+    with pytest.raises(fp8.Fp8Error, match=r"pass the eager module \(compiled._orig_mod\)"):
+        with fp8.probe(torch.compile(model)):
+            pass
+    with fp8.probe(torch.compile(model), enabled=False) as p:  # disabled: nothing to refuse
+        assert p is None
+
+
 def test_a_layer_called_twice_keeps_the_max_of_each_figure():
     model = nn.Sequential(nn.Linear(16, 16))
     fp8.convert(model)

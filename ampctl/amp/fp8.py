@@ -450,10 +450,20 @@ def probe(model: nn.Module, *, enabled: bool = True) -> Iterator[Probe | None]:
     installs nothing: the step costs exactly what an unprobed step costs. On exit the forward
     hooks are removed; the output-gradient hooks live on that step's autograd graph and go
     with it. No host read.
+
+    Under ``torch.compile`` run the sampled step through the eager module (``compiled._orig_mod``,
+    same parameters): a compiled graph does not see hooks added after it was traced (dynamo
+    skips hook guards by default), and tracing them instead costs graph breaks and recompiles.
+    Passing the compiled wrapper here raises :class:`Fp8Error`.
     """
     if not enabled:
         yield None
         return
+    if hasattr(model, "_orig_mod"):
+        raise Fp8Error(
+            "fp8 probe: pass the eager module (compiled._orig_mod) and run the sampled step "
+            "through it; a torch.compile graph does not run hooks added after compiling"
+        )
     p = Probe(model)
     p._open()
     try:
