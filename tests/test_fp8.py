@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +120,13 @@ def test_missing_torchao_raises_the_install_hint(monkeypatch):
     assert str(e.value) == 'fp8 needs torchao: pip install "ampctl[fp8]"'
     assert isinstance(e.value, ImportError) and isinstance(e.value, UsageError)
     assert fp8.plan(Tiny()).convert == ["block.0", "block.2"]  # planning needs no torchao
+
+
+def test_importing_the_module_does_not_import_torchao():
+    code = "import sys, ampctl.amp.fp8; sys.exit('torchao' in sys.modules)"
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    assert subprocess.run([sys.executable, "-c", code], cwd=repo, env=env).returncode == 0
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
