@@ -117,8 +117,6 @@ SUMMARY_FIELDS = (
     "worst_under_layer",
 )
 
-_log = logging.getLogger(__name__)
-
 
 class Fp8Unavailable(UsageError, ImportError):
     """torchao is not installed; the message is the one-line install hint."""
@@ -396,7 +394,7 @@ class Probe:
             zero = amax.new_zeros(())
             return torch.stack([amax, zero, zero])
         ao = self._ao
-        fp8 = ao.hp_tensor_to_float8_dynamic(
+        cast = ao.hp_tensor_to_float8_dynamic(
             x.detach(),
             cast_config.target_dtype,
             layer.linear_mm_config,
@@ -405,7 +403,7 @@ class Probe:
             axiswise_dim=ao.get_maybe_axiswise_dim(axis, cast_config.scaling_granularity),
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
-        q = fp8._data.float()
+        q = cast._data.float()
         fmax = torch.finfo(cast_config.target_dtype).max
         sat = (q.abs() == fmax).float().mean()
         nz = (x != 0) & torch.isfinite(x)
@@ -417,10 +415,11 @@ class Probe:
         if row is None:
             self.names.append(name)
             row = torch.zeros(len(FIELDS), dtype=torch.float32, device=like.device)
-        part = row[start : start + vals.numel()]
+        end = start + vals.numel()
+        row = row.clone()  # a fresh tensor: rows() handed out earlier keep their values
         # torch.maximum keeps NaN: a non-finite amax seen once stays in the row
-        new = torch.maximum(part, vals.to(row.device))
-        self._rows[name] = torch.cat([row[:start], new, row[start + vals.numel() :]])
+        row[start:end] = torch.maximum(row[start:end], vals.to(row.device))
+        self._rows[name] = row
 
     # -- results
     def rows(self) -> torch.Tensor:
