@@ -9,13 +9,15 @@ torchrun after one SUM and one MAX all-reduce of the values that need it).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-__all__ = ["LogWindow", "DeviceFigures"]
+__all__ = ["LogWindow", "DeviceFigures", "Probe", "sampling"]
 
 
 @dataclass
@@ -109,3 +111,32 @@ class DeviceFigures:
                 pos += t.numel()
                 out[name] = chunk if name in self._vectors else chunk[0]
         return out
+
+
+class Probe(Protocol):
+    """A figure measured on log steps only (activation-gradient underflow, fp8 cast health ...):
+    its hooks are installed for the forward and backward of a log step and removed after it, its
+    device values ride on the log step's one read, and it adds keys to the metrics row.
+
+    The trainer calls, on a log step: ``with probe.sampling(model, True): forward/backward``,
+    then ``probe.figures(fig)`` before the read and ``probe.row(values)`` after it. On other steps
+    ``sampling(model, False)`` must install nothing and cost nothing.
+    """
+
+    def sampling(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager: ...
+
+    def figures(self, fig: DeviceFigures) -> None: ...
+
+    def row(self, values: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@contextlib.contextmanager
+def sampling(probes: list[Probe], model: nn.Module, enabled: bool):
+    """Every probe's sampling context at once (nothing at all when not ``enabled``)."""
+    if not enabled or not probes:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for p in probes:
+            stack.enter_context(p.sampling(model, True))
+        yield

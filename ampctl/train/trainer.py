@@ -60,7 +60,7 @@ from ampctl.train.dist import (
     wrap_model,
 )
 from ampctl.train.logger import RunLogger
-from ampctl.train.metrics import DeviceFigures, LogWindow
+from ampctl.train.metrics import DeviceFigures, LogWindow, Probe, sampling
 from ampctl.train.protection import Protection, TrainAborted
 from ampctl.train.schedule import lr_factor
 
@@ -207,6 +207,7 @@ class Trainer:
             rebuild_optimizer=lambda params: build_optimizer(cfg.optim, params, self.device),
             dist=self.ctx,
         )
+        self.probes: list[Probe] = []  # figures sampled on log steps (see metrics.Probe)
         self.step = 0
         self.applied: int | torch.Tensor = 0  # optimizer steps applied (drives the lr schedule)
         self.window = LogWindow()
@@ -360,15 +361,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         precision.zero_grad()
         batches, loss_total = [], None
-        for i in range(accum):
-            batch = {
-                k: v.to(self.device, non_blocking=True) for k, v in self.data.next_batch().items()
-            }
-            batches.append(batch)
-            with no_sync(self.fwd_model, self.ctx, last=i == accum - 1):
-                loss = self._forward_loss(self.fwd_model, batch) / accum
-                precision.backward(loss)
-            loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
+        with sampling(self.probes, self.model, log):
+            for i in range(accum):
+                batch = {
+                    k: v.to(self.device, non_blocking=True)
+                    for k, v in self.data.next_batch().items()
+                }
+                batches.append(batch)
+                with no_sync(self.fwd_model, self.ctx, last=i == accum - 1):
+                    loss = self._forward_loss(self.fwd_model, batch) / accum
+                    precision.backward(loss)
+                loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         precision.after_backward()
         if self.fault is not None:
             self.fault(self, self.step + 1, "after_backward")
@@ -449,6 +452,8 @@ class Trainer:
             fig.add(k, v)
         fig.add("recent_skips", self.scaler.recent_skips(self.cfg.trainer.overflow_window))
         fig.add("lr", self.optimizer.param_groups[0]["lr"])
+        for probe in self.probes:
+            probe.figures(fig)
         pending = self.protection.pending_reads()
         if pending is not None:
             fig.add("guard", pending, vector=True)
@@ -475,6 +480,8 @@ class Trainer:
             "grad_underflow_frac": None,
             "nonfinite_grads": None,
         }
+        for probe in self.probes:
+            row.update(probe.row(v))
         if with_stats:
             row.update(
                 grad_norm=math.sqrt(max(v["grad_norm_sq"], 0.0)),
