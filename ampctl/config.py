@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.amp.checks import FieldError
 from ampctl.amp.precision import PrecisionConfig
+from ampctl.amp.scaler import ScalerConfig
 from ampctl.compose import OVERRIDE_FORMS, parse_overrides
 from ampctl.errors import ConfigError, UsageError, first_line
 from ampctl.train.builders import OptimConfig
@@ -108,66 +109,6 @@ class DataConfig:
                 self.vocab_size,
                 "260 with data=text (byte-level tokenizer)",
             )
-
-
-@dataclass(kw_only=True)
-class ScalerConfig:
-    """Arguments of :class:`ampctl.amp.LossScaler`."""
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-    history_size: int = 1024
-
-    def __post_init__(self) -> None:
-        _need(
-            _finite(self.init_scale) and self.init_scale > 0,
-            "scaler.init_scale",
-            self.init_scale,
-            "a number > 0",
-        )
-        _need(
-            _finite(self.growth_factor) and self.growth_factor > 1,
-            "scaler.growth_factor",
-            self.growth_factor,
-            "a number > 1",
-        )
-        _need(
-            _finite(self.backoff_factor) and 0 < self.backoff_factor < 1,
-            "scaler.backoff_factor",
-            self.backoff_factor,
-            "in (0, 1)",
-        )
-        _need(
-            self.growth_interval >= 1,
-            "scaler.growth_interval",
-            self.growth_interval,
-            "an integer >= 1",
-        )
-        _need(self.hysteresis >= 1, "scaler.hysteresis", self.hysteresis, "an integer >= 1")
-        _need(
-            _finite(self.min_scale) and self.min_scale > 0,
-            "scaler.min_scale",
-            self.min_scale,
-            "a number > 0",
-        )
-        _need(
-            _finite(self.max_scale) and self.max_scale > 0,
-            "scaler.max_scale",
-            self.max_scale,
-            "a number > 0",
-        )
-        _need(
-            self.min_scale <= self.max_scale,
-            "scaler.min_scale",
-            self.min_scale,
-            f"<= scaler.max_scale ({self.max_scale})",
-        )
-        _need(self.history_size >= 1, "scaler.history_size", self.history_size, "an integer >= 1")
 
 
 @dataclass(kw_only=True)

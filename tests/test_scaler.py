@@ -347,10 +347,10 @@ def test_loads_a_gradscaler_state_dict():
     [
         (
             {"init_scale": 0.0},
-            "init_scale=0.0 is not allowed; init_scale must be a finite number > 0",
+            "init_scale=0.0 is not allowed: init_scale must be a finite number > 0",
         ),
         ({"init_scale": float("inf")}, "init_scale must be a finite number > 0"),
-        ({"growth_factor": 1.0}, "growth_factor must be > 1"),
+        ({"growth_factor": 1.0}, "growth_factor must be a number > 1"),
         ({"backoff_factor": 1.0}, "backoff_factor must be in (0, 1)"),
         ({"backoff_factor": 0.0}, "backoff_factor must be in (0, 1)"),
         ({"growth_interval": 0}, "growth_interval must be an integer >= 1"),
