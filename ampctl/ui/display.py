@@ -57,13 +57,18 @@ HISTORY_ROWS = 8
 EVENT_ROWS = 5
 _RATE_WINDOW = 16  # (time, step) samples used for the ETA estimate
 
-EVENT_STYLES: dict[str, str] = {
+EVENT_STYLES: dict[str, str] = {  # every kind the trainer and the protection emit
     "overflow": "yellow",
+    "locate": "cyan",
+    "promotion": "magenta",
+    "demotion": "magenta",
     "rollback": "magenta",
     "fallback": "magenta",
-    "promotion": "magenta",
     "abort": "bold red",
-    "checkpoint": "green",
+    "error": "bold red",
+    "warning": "yellow",
+    "interrupt": "bold",
+    "branch": "blue",
 }
 
 _MISSING = "-"
@@ -297,7 +302,7 @@ class Display:
 
     Usage::
 
-        with Display(max_steps=cfg.max_steps) as disp:
+        with Display(max_steps=cfg.trainer.max_steps) as disp:
             for ...:
                 disp.update(metrics)      # once per log interval
                 disp.event(ev)            # whenever something happens
