@@ -63,7 +63,10 @@ def train_args(runs, *extra):
         ("scaler.hysteresis=0", ["scaler.hysteresis must be an integer >= 1"]),
         (
             "scaler.min_scale=1e9",
-            ["scaler.min_scale=1000000000.0 is not allowed", "scaler.min_scale must be <= max_scale (16777216.0)"],
+            [
+                "scaler.min_scale=1000000000.0 is not allowed",
+                "scaler.min_scale must be <= max_scale (16777216.0)",
+            ],
         ),
         ("optim.lr=-0.1", ["optim.lr must be a number > 0"]),
         ("trainer.max_steps=0", ["trainer.max_steps must be an integer >= 1"]),

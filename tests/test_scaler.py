@@ -439,9 +439,7 @@ def test_gradscaler_can_be_swapped_out_in_a_user_loop():
     (s_gs, w_gs, o_gs), (s_ls, w_ls, o_ls) = results
     assert s_gs == s_ls
     assert all(torch.equal(w_gs[k], w_ls[k]) for k in w_gs)
-    assert all(
-        torch.equal(o_gs[i][k], o_ls[i][k]) for i in o_gs for k in ("exp_avg", "exp_avg_sq")
-    )
+    assert all(torch.equal(o_gs[i][k], o_ls[i][k]) for i in o_gs for k in ("exp_avg", "exp_avg_sq"))
 
 
 # ------------------------------------------------------------ GradScaler subclass, ampctl extras

@@ -12,6 +12,7 @@ from ampctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_ch
 from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
+from tests.train.test_protection import reads_per_step
 
 METRIC_KEYS = {
     "step",
@@ -166,15 +167,7 @@ def test_host_reads_one_per_step_plus_log(fast_cfg):
             f"guard={guard}", "trainer.max_steps=8", "trainer.log_every=4", "trainer.ckpt_every=100"
         )
         tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, f"h{guard}"))
-        tr.protection.start(tr.step)
-        with count_host_reads() as reads:
-            for _ in range(8):
-                log = tr._is_due(cfg.trainer.log_every)
-                out = tr.train_step(log)
-                tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-                if log:
-                    tr.log_step(out)
-        assert reads.total == 8 + 2, guard
+        assert sum(reads_per_step(tr, 8)) == 8 + 2, guard
 
 
 def test_fused_optimizer_makes_no_host_read_per_step(fast_cfg):
