@@ -122,7 +122,9 @@ def _state_shape(st: Any) -> tuple[int, ...] | None:
 
 
 def name_optimizer_state(
-    opt_sd: dict[str, Any], orders: list[tuple[str, list[tuple[str, tuple[int, ...]]]]]
+    opt_sd: dict[str, Any],
+    orders: list[tuple[str, list[tuple[str, tuple[int, ...]]]]],
+    unordered: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> tuple[dict[Any, str], str, str | None]:
     """Map optimizer-state keys to parameter names: ``(names, method, note)``.
 
@@ -130,7 +132,8 @@ def name_optimizer_state(
     (``param_groups`` flattened) is matched against each candidate order in ``orders``: the first
     whose shapes agree index by index names every entry (method = that order's label). Failing
     that, entries whose shape belongs to exactly one parameter are named by shape; the others
-    keep ``param[i]`` and the note says why. Pure function."""
+    keep ``param[i]`` and the note says why. ``unordered``: parameters whose order is not known
+    (a safetensors file): used for names by shape only. Pure function."""
     state = opt_sd.get("state") or {}
     ids = [pid for g in opt_sd.get("param_groups") or [] for pid in g.get("params", [])]
     ids += [pid for pid in state if pid not in ids]
@@ -142,16 +145,14 @@ def name_optimizer_state(
             continue
         if all(s is None or s == tuple(o[1]) for s, o in zip(shapes, order, strict=True)):
             return {pid: order[i][0] for i, pid in enumerate(ids)}, f"by {label}", None
-    if not orders:
+    candidates = max(orders, key=lambda o: len(o[1]))[1] if orders else list(unordered or [])
+    if not candidates:
         return (
             {pid: f"param[{pid}]" for pid in ids},
             "indices",
-            (
-                "optimizer state is indexed by position and no parameter list was found: "
-                "entries are named param[i]"
-            ),
+            "optimizer state is indexed by position and no parameter list was found: "
+            "entries are named param[i]",
         )
-    candidates = max(orders, key=lambda o: len(o[1]))[1]
     by_shape: dict[tuple[int, ...], list[str]] = {}
     for name, shape in candidates:
         by_shape.setdefault(tuple(shape), []).append(name)
@@ -188,14 +189,16 @@ def _num(x: Any, default: Any = None) -> Any:
 
 
 def scaler_state(sc: Any, kind: str | None) -> dict[str, Any] | None:
-    """The loss scaler's state in one shape for every format (None: not recorded)."""
+    """The loss scaler's state in one shape for every format (None: not recorded). ampctl's
+    ``LossScaler`` state is GradScaler's keys plus its own counters and history; a state with
+    GradScaler's keys only is read as a GradScaler (skips unknown)."""
     if not isinstance(sc, dict):
         return None
     if kind == "deepspeed":
         return _deepspeed_scaler(sc)
     if "scale" not in sc:
         return None
-    if kind == "GradScaler" or "_growth_tracker" in sc:
+    if not any(k in sc for k in ("skipped_total", "history", "min_scale")):  # a GradScaler
         scale = float(_num(sc.get("scale"), math.nan))
         return {
             "kind": "GradScaler",
@@ -231,7 +234,7 @@ def scaler_state(sc: Any, kind: str | None) -> dict[str, Any] | None:
         "growth_interval": int(sc.get("growth_interval", 2000)),
         "growth_factor": _num(sc.get("growth_factor")),
         "backoff_factor": _num(sc.get("backoff_factor")),
-        "growth_tracker": _num(sc.get("growth_tracker")),
+        "growth_tracker": _num(sc.get("_growth_tracker")),
         "hysteresis": int(sc.get("hysteresis", 1)),
         "skipped_total": int(sc.get("skipped_total", 0)),
         "forward_overflows": int(sc.get("forward_overflows", 0)),
@@ -295,7 +298,9 @@ def state_health(found: Found) -> dict[str, Any]:
     optimizer = None
     opt_sd = found.optimizer
     if isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict):
-        pname, method, note = name_optimizer_state(opt_sd, found.param_orders)
+        pname, method, note = name_optimizer_state(
+            opt_sd, found.param_orders, found.unordered_params
+        )
         names_info = {"method": method, "note": note or found.optimizer_note}
         entries = []
         for pid, st in opt_sd["state"].items():

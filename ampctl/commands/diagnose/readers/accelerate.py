@@ -59,6 +59,7 @@ def read(path: Path) -> Found:
     found = Found(format=FORMAT_NAME, path=path, siblings=siblings)
     m = _AUTO.match(path.name)
     found.weights = read_weight_files(path, found.files)
+    found.unordered_params = [(k, tuple(v.shape)) for k, v in found.weights.items()]
     used = {n.file for n in found.files}
     for f in sorted(path.iterdir()):
         if f.name in used or not f.is_file():

@@ -116,6 +116,8 @@ class Found:
     optimizer: dict[str, Any] | None = None
     optimizer_note: str | None = None
     param_orders: list[tuple[str, list[tuple[str, tuple[int, ...]]]]] = field(default_factory=list)
+    #: parameters whose order is unknown (e.g. from safetensors): used to name by shape only
+    unordered_params: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     scaler: dict[str, Any] | None = None
     scaler_kind: str | None = None
     precision: str | None = None
@@ -199,7 +201,7 @@ def pickle_globals(path: str | Path) -> list[str]:
     except Exception:  # noqa: BLE001 - a damaged pickle: report what was found so far
         pass
     out = []
-    for g in found:
+    for g in (f.replace("__builtin__.", "builtins.") for f in found):
         if g in _PLAIN_GLOBALS or g.startswith("torch.") and g.endswith("Storage"):
             continue
         if g.startswith("torch.") and isinstance(getattr(torch, g[6:], None), torch.dtype):

@@ -13,6 +13,7 @@ optimizer state written by ``get_state_dict`` is keyed by parameter name, so it 
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from .plain import MODEL_KEYS, OPTIMIZER_KEYS, STEP_KEYS, is_optimizer_state
 __all__ = ["FORMAT_NAME", "claims", "read", "SafeMetadataUnpickler"]
 
 FORMAT_NAME = "dcp"
+_STEP = re.compile(r"^step-(\d+)$")
 METADATA = ".metadata"
 
 _ALLOWED = {
@@ -74,11 +76,25 @@ def _reader_class() -> type:
     return SafeReader
 
 
+def _check_metadata(path: Path) -> None:
+    """Unpickle ``.metadata`` with the restricted unpickler before DCP sees the folder."""
+    try:
+        with open(path / METADATA, "rb") as f:
+            SafeMetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise PickleRefused(path / METADATA, [first_line(e)]) from None
+    except (OSError, EOFError, ValueError, AttributeError, TypeError) as e:
+        raise ReaderError(
+            f"{str(path / METADATA)!r} is not readable DCP metadata: {first_line(e)}"
+        ) from None
+
+
 def _load(path: Path) -> dict[str, Any]:
     import warnings
 
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    _check_metadata(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*")
@@ -115,20 +131,28 @@ def read(path: Path) -> Found:
         if isinstance(v, int) and not isinstance(v, bool):
             found.step = v
             break
-    if found.step is None and path.name.startswith("step-"):
-        tail = path.name.split("-", 1)[1]
-        found.step = int(tail) if tail.isdigit() else None
+    if found.step is None and (m := _STEP.match(path.name)):
+        found.step = int(m.group(1))
     if not found.weights and found.optimizer is None:
         raise NotACheckpoint(f"{str(path)!r}: the DCP checkpoint holds no model or optimizer state")
     found.files.append(FileNote(METADATA, True, "metadata (restricted unpickler)"))
     found.files += [FileNote(p.name, True, "tensor data") for p in sorted(path.glob("*.distcp"))]
-    parent = path.parent
-    found.siblings = sorted(
-        (p for p in parent.iterdir() if p != path and claims(p)),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
+    found.siblings = _siblings(path)
     return found
+
+
+def _siblings(path: Path) -> list[Path]:
+    """Other ``step-N`` checkpoints beside a ``step-N`` folder (torchtitan's layout), newest
+    first; none for a folder named otherwise."""
+    m = _STEP.match(path.name)
+    if m is None:
+        return []
+    found = [
+        (int(s.group(1)), p)
+        for p in path.parent.iterdir()
+        if p != path and (s := _STEP.match(p.name)) and claims(p)
+    ]
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 def _flat_optimizer(opt: dict[str, Any]) -> dict[str, Any] | None:

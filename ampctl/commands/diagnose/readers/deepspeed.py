@@ -170,7 +170,9 @@ def _read_zero(
     if state:
         prior = found.optimizer["state"] if found.optimizer else {}
         state = {**prior, **state}
-        found.optimizer = {"state": state, "param_groups": [{"params": list(state)}]}
+        groups = base.get("param_groups") or [{}]
+        lr = groups[0].get("lr") if isinstance(groups[0], dict) else None
+        found.optimizer = {"state": state, "param_groups": [{"params": list(state), "lr": lr}]}
     if masters:
         found.masters = (found.masters or []) + masters
         found.master_names = (found.master_names or []) + names

@@ -43,6 +43,10 @@ def _order(sd: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
+def key_of(obj: dict[str, Any], value: Any) -> str:
+    return next((str(k) for k, v in obj.items() if v is value), "?")
+
+
 def read_safetensors(path: Path) -> Found:
     weights = load_safetensors(path)
     found = Found(format=SAFETENSORS, path=path, weights=weights)
@@ -82,6 +86,10 @@ def from_object(obj: Any, path: Path) -> Found:
     if scaler is not None:
         found.scaler = scaler
         found.scaler_kind = "ampctl" if "history" in scaler else "GradScaler"
+        found.precision, found.precision_source = (
+            "fp16",
+            f"{key_of(obj, scaler)} (a loss scaler: fp16)",
+        )
     for k in STEP_KEYS:
         v = obj.get(k)
         if isinstance(v, int) and not isinstance(v, bool):
