@@ -243,9 +243,11 @@ def diagnose(
 ) -> None:
     """Explain a NaN run: bad tensors, first overflowing module, what to change.
 
-    Exit code 0 when healthy, 1 when problems were found, 2 for bad input. Files are read as
-    data (weights_only=True, safetensors); pickled objects are refused, and nothing a
-    checkpoint's config names is imported without --trust-code.
+    Exit code 0 when healthy, 1 when problems were found, 2 for bad input.
+
+    Files are read as data (weights_only=True, safetensors); pickled objects are refused.
+
+    Nothing a checkpoint's config names is imported without --trust-code.
     """
     from ampctl.commands.diagnose import run_diagnose
 

@@ -201,6 +201,11 @@ def diagnose(
     if data_file is not None and not data_file.is_file():
         raise UsageError(f"--data {str(data)!r} does not exist: give a text file")
     found = readers.read(path, fmt)
+    if data_file is not None and found.model_dir is None:
+        found.notes.append(
+            f"--data is used for Hugging Face checkpoints only; a {found.format} checkpoint "
+            "replays what its own config or format provides"
+        )
     replay_precision = precision or found.precision or "fp32"
     if replay_precision == "bf16" and not bf16_supported(dev):
         raise UsageError(f"--precision bf16 is not supported on {dev}: use fp16 or fp32")

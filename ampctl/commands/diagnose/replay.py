@@ -484,6 +484,11 @@ def _hf_batches(
     if data_file is not None:
         tokens = _tokenize(model_dir, data_file, n * _BATCH * seq)
         label = f"{data_file} (tokenized by the tokenizer in {model_dir})"
+        if int(tokens.max()) >= vocab:
+            raise ReplaySkipped(
+                f"--data {data_file}: the tokenizer gives ids up to {int(tokens.max())}, beyond "
+                f"the model's vocab_size {vocab}"
+            )
     else:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (n * _BATCH * seq,), generator=g)
@@ -506,7 +511,22 @@ def _hf_batches(
     return out, label
 
 
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+)
+
+
 def _tokenize(model_dir: Path, data_file: Path, need: int) -> torch.Tensor:
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise ReplaySkipped(
+            "--data needs the tokenizer saved beside the checkpoint (none of "
+            f"{', '.join(_TOKENIZER_FILES)} in {model_dir})"
+        )
     try:
         from transformers import AutoTokenizer
 

@@ -117,6 +117,18 @@ def test_lightning_ckpt_and_its_metrics_csv(fmt_root):
     assert rep["history"]["first_nan_loss_step"] == 4 and rep["history"]["break_step"] == 4
     lr = next(r for r in rep["recommendations"] if r["override"].startswith("optim.lr="))
     assert "configure_optimizers" in lr["yours"]
+    # TensorBoardLogger instead of CSVLogger: the same history from the event files
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = fmt_root / "lightning-tb" / "version_0"
+    shutil.copytree(nan / "checkpoints", tb / "checkpoints")
+    with SummaryWriter(str(tb)) as w:
+        for step, loss in enumerate([0.9, 0.8, 0.7, 0.6, float("nan")]):
+            w.add_scalar("train_loss", loss, step)
+    code, rep, _ = diagnose_cli(tb)
+    assert code == 1 and rep["history"]["source"] == str(tb)
+    assert rep["history"]["first_nan_loss_step"] == 4 and rep["history"]["metrics_rows"] == 5
 
 
 # ---------------------------------------------------------------------------- DCP
@@ -223,3 +235,25 @@ def test_name_optimizer_state_by_order_by_shape_and_when_it_cannot():
     names, how, note = name_optimizer_state(opt, [], shared)
     assert names[0] == "param[0] (shape [4, 2])" and names[1] == "a.bias"
     assert note.startswith("1 of 4 optimizer entries cannot be named")
+
+
+def test_hf_replay_on_real_text_through_the_saved_tokenizer(hf_dirs, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(hf_dirs["healthy"] / "checkpoint-4", ckpt)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 50}" for i in range(300)))
+    code, rep, _ = diagnose_cli(ckpt, "--data", str(text))
+    assert code == 0 and rep["replay"]["ran"] is False
+    assert rep["replay"]["reason"].startswith(
+        "--data needs the tokenizer saved beside the checkpoint"
+    )
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(str(ckpt))
+    code, rep, _ = diagnose_cli(ckpt, "--data", str(text), "--precision", "fp16")
+    r = rep["replay"]
+    assert code == 0 and r["ran"] and r["data"].startswith(str(text)) and r["precision"] == "fp16"
+    assert r["gradients"]["scale"] == 65536.0  # no scaler.pt: GradScaler's default init_scale
