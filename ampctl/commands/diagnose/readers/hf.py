@@ -118,6 +118,12 @@ def _read_files(found: Found, path: Path) -> None:
     found.history = history_of(state, path / TRAINER_STATE)
     if found.model_dir is not None:
         found.param_orders = hf_param_orders(found.model_dir)
+        if not found.param_orders:
+            found.notes.append(
+                "the model could not be rebuilt from config.json (is transformers installed? "
+                "pip install transformers): optimizer state is named by shape"
+            )
+    found.unordered_params = [(k, tuple(v.shape)) for k, v in found.weights.items()]
 
 
 def nan_filtered(row: dict[str, Any], previous_loss: float | None) -> bool:
