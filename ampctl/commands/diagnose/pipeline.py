@@ -267,6 +267,9 @@ def diagnose(
         problems=problems,
         recommendations=recs,
         checkpoints=checkpoints,
-        resume={"checkpoint": resume_ck, "command": resume_command(found.format, resume_ck, recs)},
+        resume={
+            "checkpoint": resume_ck,
+            "command": resume_command(found.format, resume_ck, recs, len(checkpoints)),
+        },
         branch=branch,
     )

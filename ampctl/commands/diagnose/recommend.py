@@ -211,7 +211,9 @@ def resume_overrides(recs: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def resume_command(fmt: str, checkpoint: str | None, recs: list[dict[str, Any]]) -> str:
+def resume_command(
+    fmt: str, checkpoint: str | None, recs: list[dict[str, Any]], checked: int = 1
+) -> str:
     """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line)."""
     if fmt == "ampctl":
         if checkpoint is None:
@@ -221,7 +223,10 @@ def resume_command(fmt: str, checkpoint: str | None, recs: list[dict[str, Any]])
             )
         return " ".join(["ampctl train --resume", checkpoint, *resume_overrides(recs)])
     if checkpoint is None:
-        return "no healthy checkpoint: start afresh with the changes above"
+        return (
+            f"no healthy checkpoint among the {checked} checked: start afresh with the changes "
+            "above"
+        )
     return {
         "hf-trainer": f'trainer.train(resume_from_checkpoint="{checkpoint}")',
         "lightning": f'trainer.fit(model, ckpt_path="{checkpoint}")',

@@ -123,6 +123,11 @@ def _read_files(found: Found, path: Path) -> None:
                 "the model could not be rebuilt from config.json (is transformers installed? "
                 "pip install transformers): optimizer state is named by shape"
             )
+        else:  # report weights in the model's order (safetensors keeps names sorted)
+            rank = {n: i for i, (n, _) in enumerate(found.param_orders[-1][1])}
+            found.weights = dict(
+                sorted(found.weights.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+            )
     found.unordered_params = [(k, tuple(v.shape)) for k, v in found.weights.items()]
 
 

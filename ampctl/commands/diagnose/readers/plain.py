@@ -88,7 +88,7 @@ def from_object(obj: Any, path: Path) -> Found:
         found.scaler_kind = "ampctl" if "history" in scaler else "GradScaler"
         found.precision, found.precision_source = (
             "fp16",
-            f"{key_of(obj, scaler)} (a loss scaler: fp16)",
+            f"the '{key_of(obj, scaler)}' entry (a loss scaler: fp16)",
         )
     for k in STEP_KEYS:
         v = obj.get(k)
