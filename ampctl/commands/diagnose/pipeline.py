@@ -151,8 +151,8 @@ def _replay(
             )
         else:
             raise ReplaySkipped(
-                f"a {found.format} checkpoint stores weights but not the model's class: the "
-                "model cannot be rebuilt without running your code (replay needs an ampctl "
+                f"{found.format}: the checkpoint stores weights but not the model's class, so "
+                "the model cannot be rebuilt without running your code (replay needs an ampctl "
                 "checkpoint or a Hugging Face folder with config.json)"
             )
         return run_replay(inp)

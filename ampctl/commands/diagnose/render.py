@@ -127,12 +127,13 @@ def _scaler(sc: dict[str, Any] | None, console: Any) -> None:
     parts.append(f"growth_interval {_unknown(sc['growth_interval'])}")
     if sc["kind"] == "GradScaler":
         parts.append(f"growth tracker {_unknown(sc['growth_tracker'])}")
-    parts.append(f"skipped {_unknown(sc['skipped_total'])}")
+    skipped = f"skipped {_unknown(sc['skipped_total'])}"
     if sc["kind"] == "ampctl":
-        parts.append(
-            f"(forward {sc['forward_overflows']}), consecutive {sc['consecutive_overflows']}, "
+        skipped += (
+            f" (forward {sc['forward_overflows']}), consecutive {sc['consecutive_overflows']}, "
             f"recent skips {sc['recent_skips']}/{sc['recent_window']}"
         )
+    parts.append(skipped)
     _say(console, ", ".join(parts))
 
 
