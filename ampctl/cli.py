@@ -190,7 +190,10 @@ def diagnose(
     path: Annotated[
         Path,
         typer.Argument(
-            help="A checkpoint file, or a run folder (latest checkpoint + metrics + events).",
+            help="A checkpoint file or folder: an ampctl run folder or step_*.pt, an HF Trainer "
+            "checkpoint-N/ or output_dir, an Accelerate save_state folder, a Lightning .ckpt, a "
+            "torch.distributed.checkpoint or DeepSpeed folder, a .safetensors or .pt/.pth/.bin "
+            "file.",
             show_default=False,
         ),
     ],
@@ -205,22 +208,61 @@ def diagnose(
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="Force a reader instead of detecting it: ampctl, hf-trainer, accelerate, "
+            "lightning, dcp, deepspeed, safetensors, state-dict.",
+        ),
+    ] = None,
+    trust_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-code",
+            help="Allow the replay to import the model a checkpoint's config names although it "
+            "does not ship with ampctl (a checkpoint is data: off by default).",
+        ),
+    ] = False,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="A text file to replay instead of synthetic tokens (Hugging Face checkpoints; "
+            "needs the tokenizer saved beside the checkpoint).",
+        ),
+    ] = None,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print the report as JSON (schema in README).")
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the report as JSON; the schema is documented in "
+            "ampctl/commands/diagnose/report.py (python -m pydoc ampctl.commands.diagnose.report).",
+        ),
     ] = False,
 ) -> None:
     """Explain a NaN run: bad tensors, first overflowing module, what to change.
 
     Exit code 0 when healthy, 1 when problems were found, 2 for bad input.
-    Checkpoints are loaded with weights_only=True: a checkpoint never runs code.
+
+    Files are read as data (weights_only=True, safetensors); pickled objects are refused.
+
+    Nothing a checkpoint's config names is imported without --trust-code.
     """
-    from ampctl.diagnose import run_diagnose
+    from ampctl.commands.diagnose import run_diagnose
 
     _at_least("--batches", batches, 1)
 
     try:
         code = run_diagnose(
-            path=path, batches=batches, precision=precision, device=device, as_json=as_json
+            path=path,
+            batches=batches,
+            precision=precision,
+            device=device,
+            as_json=as_json,
+            fmt=fmt,
+            trust_code=trust_code,
+            data=data,
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
