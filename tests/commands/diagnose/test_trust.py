@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ampctl.commands.diagnose import diagnose
-from ampctl.train.loop import train
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import train
 from tests.conftest import FAST
 
 ROOT = Path(__file__).resolve().parents[3]
