@@ -74,6 +74,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .checks import FieldError, need
+from .checks import is_finite as _finite
+from .checks import is_int as _is_int
 from .overflow import check_and_unscale_
 
 __all__ = ["CallOrderError", "LossScaler", "OptState", "ScalerConfig", "next_scale"]
@@ -1100,13 +1102,5 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _finite(x: Any) -> bool:
-    return _number(x) and math.isfinite(x)
-
-
 def _finite_pos(x: Any) -> bool:
     return _finite(x) and x > 0
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -71,14 +71,14 @@ from typing import Any
 
 import torch
 
+from ampctl.amp.precision import PRECISIONS
 from ampctl.config import RunConfig, load_config, split_overrides, with_changes
-from ampctl.errors import UsageError
+from ampctl.errors import UsageError, first_line
 
 __all__ = ["SECTIONS", "BenchError", "bench", "plan", "run_bench", "print_report"]
 
 SECTIONS = ("overhead", "overflow_check", "host_reads", "precision")
 OVERHEAD_GOAL = 1.02
-_PRECISIONS = ("fp32", "bf16", "fp16", "fp16-pure")
 _MEMORY_STEPS = 2
 
 Progress = Callable[[str], None]
@@ -111,11 +111,6 @@ def _clock(device: torch.device) -> float:
 
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _free(device: torch.device) -> None:
@@ -371,7 +366,7 @@ def measure_host_reads(
         except UsageError as e:
             if not fused:
                 raise
-            out.update(fused=None, fused_total=None, fused_by_method={}, fused_error=_first_line(e))
+            out.update(fused=None, fused_total=None, fused_by_method={}, fused_error=first_line(e))
             continue
         out[label] = total / steps
         out[f"{label}_total"] = total
@@ -480,7 +475,7 @@ def _memory_worker() -> int:
             try:
                 line = json.dumps(_measure_rss(cfg, p, steps))
             except BaseException as e:  # noqa: BLE001  (reported to the parent as a row error)
-                line, code = json.dumps({"precision": p, "error": _first_line(e)}), 1
+                line, code = json.dumps({"precision": p, "error": first_line(e)}), 1
             os.write(1, (line + "\n").encode())
             os._exit(code)
         os.waitpid(pid, 0)
@@ -547,7 +542,7 @@ def _precision_cfgs(
 
     cfgs: dict[str, RunConfig] = {}
     errors: dict[str, str] = {}
-    for p in _PRECISIONS:
+    for p in PRECISIONS:
         if p == "bf16" and not bf16_supported(device):
             errors[p] = f"bf16 is not supported on {device}"
             continue
@@ -560,7 +555,7 @@ def _rows(
 ) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     ref = _median(times["fp32"]) if times.get("fp32") else None
-    for p in _PRECISIONS:
+    for p in PRECISIONS:
         if p in times and times[p]:
             t = _median(times[p])
             rows[p] = {
@@ -624,7 +619,7 @@ def measure_precisions(
                     errors[p] = f"out of memory (batch {d.batch_size} x seq {d.seq_len})"
                 except UsageError as e:
                     times[p] = []
-                    errors[p] = _first_line(e)
+                    errors[p] = first_line(e)
                 finally:
                     del trainer
                     _free(device)
@@ -640,7 +635,7 @@ def measure_precisions(
                 try:
                     trainers[p] = Trainer(c, Path(tmp), display=None)
                 except UsageError as e:
-                    errors[p] = _first_line(e)
+                    errors[p] = first_line(e)
             order = list(trainers)
             for r in range(steps + 1):  # round 0 is the warm-up
                 k = r % max(len(order), 1)
