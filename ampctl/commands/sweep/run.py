@@ -13,6 +13,7 @@ best 1/ETA continue to the next rung; the others are ``stopped``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -381,15 +382,18 @@ class SweepRun:
         if t.group:
             row = self.tail_of(t.group).rows.get(step)
             return (as_number(row.get("loss")) if row else None), t.group
-        peers = [
-            as_number(self.tail_of(o.name).rows.get(step, {}).get("loss"))
-            for o in self.plan.trials
-            if o.kind == "trial"
-            and o.name != t.name
-            and o.group == t.group
-            and self.rows[o.name]["status"] != "diverged"
-        ]
-        peers = [v for v in peers if v is not None and v == v]
+        peers = []
+        for o in self.plan.trials:
+            if o.kind != "trial" or o.name == t.name or o.group != t.group:
+                continue
+            if self.rows[o.name]["status"] in ("diverged", "pending"):
+                continue
+            tl = self.tail_of(o.name)
+            if step not in tl.rows:
+                tl.read()  # a peer that finished since the last watch
+            v = as_number(tl.rows.get(step, {}).get("loss"))
+            if v is not None and math.isfinite(v):
+                peers.append(v)
         return (min(peers) if peers else None), "the best other trial"
 
     def watch(self) -> None:

@@ -30,7 +30,7 @@ def run_sweep_here(runs: Path, *overrides: str, **kw):
 
 @pytest.fixture
 def hold_file(tmp_path):
-    """A file whose existence keeps ``hold`` / ``far`` planted trials running (0.1 s a step)."""
+    """A file whose existence keeps ``hold`` / ``far`` planted trials running (1 s a step)."""
     path = tmp_path / "hold"
     path.write_text("")
     yield path

@@ -3,8 +3,9 @@ misbehave on purpose, the same way under every launcher.
 
 * ``ok``: plain training;
 * ``die``: the process SIGKILLs itself at its second forward (a trial that dies on its node);
-* ``hold``: each forward sleeps 0.1 s while ``hold_file`` exists (at most ``HOLD_MAX_S`` in all),
-  so the trial is still running when the test presses Ctrl-C;
+* ``hold``: from its 5th forward on (after the first row at ``log_every=4``) each forward
+  sleeps 1 s while ``hold_file`` exists (at most ``HOLD_MAX_S`` in all), so the trial is still
+  running, seconds after its first row, when the test presses Ctrl-C or the sweep checks it;
 * ``far``: as ``hold``, and its loss is 10x the true one (finite, far above every other trial),
   so the sweep's live divergence check must stop it.
 """
@@ -32,8 +33,10 @@ class Planted(BertForMaskedLM):
         self.calls += 1
         if self.role == "die" and self.calls == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.role in ("hold", "far") and self.hold_file and self.held < HOLD_MAX_S:
-            if Path(self.hold_file).exists():
+        if self.role in ("hold", "far") and self.hold_file and self.calls > 4:
+            for _ in range(10):
+                if not Path(self.hold_file).exists() or self.held >= HOLD_MAX_S:
+                    break
                 time.sleep(0.1)
                 self.held += 0.1
         out = super().forward(**batch)
