@@ -139,9 +139,15 @@ def finalize_rows(
 
 
 def select_promoted(rows: list[dict[str, Any]], n: int) -> list[str]:
-    """The best ``n`` ok trials of ``rows`` (one rung, after :func:`finalize_rows`), best first."""
+    """The best ``n`` ok trials of ``rows`` (one rung, after :func:`finalize_rows`), best first,
+    and every further trial that ties with the last of them on loss gap step and skipped steps:
+    at a cut, steps/s -- which moves with machine load -- never decides who stops."""
     ok = sorted((r for r in rows if r["kind"] == "trial" and r["status"] == "ok"), key=rank_key)
-    return [r["trial"] for r in ok[: max(n, 0)]]
+    keep = ok[: max(n, 0)]
+    if keep:
+        cut = rank_key(keep[-1])[:2]
+        keep += [r for r in ok[len(keep) :] if rank_key(r)[:2] == cut]
+    return [r["trial"] for r in keep]
 
 
 def live_divergence(

@@ -220,9 +220,12 @@ class SweepRun:
             {"rung": k, "steps": budget, "trials": len(entering), "promoted": promoted}
         )
         nxt = self.plan.budgets[k + 1]
+        ties = len(promoted) - n_next if len(promoted) > n_next else 0
         self.view.say(
             f"Rung {k} ({budget} steps) done: {len(promoted)} of {len(entering)} continue to "
-            f"rung {k + 1} ({nxt} steps): {', '.join(promoted) or '(none)'}"
+            f"rung {k + 1} ({nxt} steps)"
+            + (f" ({ties} tie with the last of the best {n_next})" if ties else "")
+            + f": {', '.join(promoted) or '(none)'}"
         )
         self.refresh()
         return [self.plan.trial(n) for n in promoted]

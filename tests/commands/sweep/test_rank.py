@@ -112,6 +112,22 @@ def test_halving_rows_rank_by_rung_and_use_the_reference_at_their_step():
     assert select_promoted([rows[1], rows[2]], 1) == ["full"]  # only ok rows are promoted
 
 
+def test_promotion_keeps_ties_at_the_cut_instead_of_asking_the_clock():
+    rows = [
+        _row("base", 4.0, kind="baseline"),
+        _row("a", 4.0, skipped=0, speed=9.0),
+        _row("b", 4.0, skipped=0, speed=5.0),  # ties with a: only speed differs
+        _row("c", 4.0, skipped=3, speed=12.0),
+        _row("d", 4.2, skipped=0, speed=20.0),  # +5%: a worse gap step
+    ]
+    groups = {r["trial"]: "base" for r in rows[1:]}
+    finalize_rows(rows, 0.1, groups)
+    assert select_promoted(rows, 1) == ["a", "b"]
+    assert select_promoted(rows, 2) == ["a", "b"]
+    assert select_promoted(rows, 3) == ["a", "b", "c"]
+    assert select_promoted(rows, 0) == []
+
+
 def test_live_divergence_stops_non_finite_and_far_above_only():
     assert live_divergence(4, 4.1, 4.0, "baseline-fp32") is None
     assert live_divergence(4, 5.9, 4.0, "baseline-fp32") is None  # +47.5%: a lagging trial
