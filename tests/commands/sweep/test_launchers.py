@@ -13,6 +13,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,15 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def sigint_handled():
+    """``_thread.interrupt_main`` does nothing while SIGINT is ignored, as it is in a background
+    job (``pytest ... &``): give the test Python's own handler (KeyboardInterrupt)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 def _ctrl_c_when_logged(metrics: Path, timeout_s: float = 240.0) -> threading.Thread:
@@ -89,7 +99,7 @@ def _crash_then_ctrl_c(tmp_path, hold_file, launcher: LauncherOptions):
     return runs, args, result, out
 
 
-def test_local_crash_ctrl_c_and_resume(tmp_path, hold_file):
+def test_local_crash_ctrl_c_and_resume(tmp_path, hold_file, sigint_handled):
     runs, args, first, _ = _crash_then_ctrl_c(tmp_path, hold_file, LauncherOptions("local"))
     tdir = runs / "s" / "role=hold"
     before = (tdir / "metrics.jsonl").read_text()
@@ -104,13 +114,13 @@ def test_local_crash_ctrl_c_and_resume(tmp_path, hold_file):
     assert again.recommendation["trial"] == "role=hold" and again.exit_code == 0
 
 
-def test_ray_crash_and_ctrl_c(tmp_path, hold_file, local_ray):
+def test_ray_crash_and_ctrl_c(tmp_path, hold_file, local_ray, sigint_handled):
     _, _, result, out = _crash_then_ctrl_c(tmp_path, hold_file, LauncherOptions("ray"))
     assert "Ray tasks on local Ray, 1 in flight, 1 CPU each" in out.splitlines()[0]
     assert local_ray.is_initialized()  # the sweep does not shut down a Ray it did not start
 
 
-def test_slurm_crash_and_ctrl_c_with_submitits_local_executor(tmp_path, hold_file):
+def test_slurm_crash_and_ctrl_c_with_submitits_local_executor(tmp_path, hold_file, sigint_handled):
     pytest.importorskip("submitit")
     opts = LauncherOptions("slurm", slurm_cluster="local", time="10:00")
     runs, _, _, out = _crash_then_ctrl_c(tmp_path, hold_file, opts)
