@@ -140,8 +140,25 @@ def sweep_scale(
         typer.Option("--steps", help="Steps per trial (default: trainer.max_steps)."),
     ] = None,
     jobs: Annotated[
-        int, typer.Option("--jobs", "-j", help="Trials run as parallel processes.")
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Trials in flight at once (default: 1 with --launcher local, capped at the "
+            "cores; all of a rung with ray/slurm, where the cluster queues them).",
+            show_default=False,
+        ),
+    ] = None,
+    halving: Annotated[
+        int | None,
+        typer.Option(
+            "--halving",
+            metavar="ETA",
+            help="Successive halving: every trial runs steps/ETA^k first; the best 1/ETA continue "
+            "from their checkpoints, rung by rung, to the full --steps.",
+            show_default=False,
+        ),
+    ] = None,
     baseline: Annotated[
         bool,
         typer.Option("--baseline/--no-baseline", help="Also run an fp32 (or bf16) baseline trial."),
@@ -150,11 +167,57 @@ def sweep_scale(
         str | None,
         typer.Option(
             "--name",
-            help="Sweep folder under trainer.runs_dir; re-running it skips finished trials.",
+            help="Sweep folder under trainer.runs_dir; re-running it keeps finished trials and "
+            "continues interrupted ones.",
         ),
     ] = None,
     config_dir: Annotated[
         Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
+    ] = None,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            "--launcher",
+            help="Where trials run: local (child processes), ray (Ray tasks), slurm (SLURM jobs "
+            "via submitit). ray and slurm need the sweep folder on a filesystem the nodes share.",
+        ),
+    ] = "local",
+    address: Annotated[
+        str | None,
+        typer.Option(
+            "--address", help="ray: join this Ray cluster (default: start a local Ray here)."
+        ),
+    ] = None,
+    cpus_per_trial: Annotated[
+        int | None,
+        typer.Option(
+            "--cpus-per-trial",
+            help="CPUs (and threads) per trial (default: ray/slurm 1; local: the cores shared "
+            "out between --jobs).",
+            show_default=False,
+        ),
+    ] = None,
+    gpus_per_trial: Annotated[
+        float | None,
+        typer.Option("--gpus-per-trial", help="ray/slurm: GPUs per trial.", show_default=False),
+    ] = None,
+    partition: Annotated[
+        str | None, typer.Option("--partition", help="slurm: the partition.")
+    ] = None,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time", help="slurm: time limit per trial (minutes, HH:MM:SS or D-HH:MM:SS)."
+        ),
+    ] = None,
+    slurm_param: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--slurm-param",
+            metavar="KEY=VALUE",
+            help="slurm: an extra sbatch parameter, e.g. --slurm-param account=proj (repeatable).",
+            show_default=False,
+        ),
     ] = None,
     plain: Annotated[
         bool, typer.Option("--plain", help="Plain lines instead of the live table.")
@@ -165,10 +228,11 @@ def sweep_scale(
     Every trial trains with the same seed and data order in runs/<sweep>/<trial>/. Results go to
     results.csv / results.json; the recommendation is printed as overrides ready to paste.
     """
-    from ampctl.sweep import run_sweep
+    from ampctl.commands.sweep import LauncherOptions, run_sweep
 
     _at_least("--steps", steps, 1)
     _at_least("--jobs", jobs, 1)
+    _at_least("--halving", halving, 2)
 
     try:
         code = run_sweep(
@@ -179,6 +243,16 @@ def sweep_scale(
             name=name,
             config_dir=config_dir,
             mode="plain" if plain else "auto",
+            halving=halving,
+            launcher=LauncherOptions(
+                launcher=launcher,
+                address=address,
+                cpus_per_trial=cpus_per_trial,
+                gpus_per_trial=gpus_per_trial,
+                partition=partition,
+                time=time_limit,
+                slurm_params=tuple(slurm_param or ()),
+            ),
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
