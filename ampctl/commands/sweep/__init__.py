@@ -47,7 +47,7 @@ under +0.1% ties with the reference), then fewest skipped steps, then steps/s.
 Successive halving (``--halving ETA``): rungs end at ``steps / ETA^k`` steps
 (:func:`rung_budgets`); every trial runs the first rung; the best ``1/ETA`` of each rung continue
 (and any trial that ties with the last of them on gap step and skipped steps: steps/s, which
-moves with machine load, never decides who stops), resumed from their own checkpoints (``ampctl train --resume TRIAL_DIR trainer.max_steps=STEP``),
+moves with machine load, never decides who stops), resumed from their own checkpoints (``ampctl train --resume TRIAL_DIR trainer.stop_at=STEP``),
 to the full steps. The baselines run every rung too (each continued from its checkpoint), so
 each rung compares trials and baseline at the same step, with the same learning-rate schedule.
 Results record each trial's ``rung`` and ``steps_spent``.

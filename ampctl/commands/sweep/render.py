@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from ampctl.monitor.display import fmt_float, fmt_loss, fmt_pct, fmt_scale
+from ampctl.ui.display import fmt_float, fmt_loss, fmt_pct, fmt_scale
 
 from .plan import SweepPlan, bare
 from .rank import fmt_value

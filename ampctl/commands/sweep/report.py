@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ampctl.monitor.display import fmt_float, fmt_scale
 from ampctl.runlog import atomic_write_text, is_finite_number
+from ampctl.ui.display import fmt_float, fmt_scale
 
 from .plan import SweepPlan
 from .rank import GAP_TIE, rank_key

@@ -3,7 +3,7 @@ rows, ranked, written.
 
 One rung after another (without ``--halving`` there is one, of the full steps): every trial of the
 rung and every baseline runs to the rung's step -- a new ``ampctl train --name TRIAL`` process,
-or ``ampctl train --resume TRIAL_DIR trainer.max_steps=STEP`` for a trial that already has a
+or ``ampctl train --resume TRIAL_DIR trainer.stop_at=STEP`` for a trial that already has a
 folder (the next rung, an interrupted trial) -- ``--jobs`` at a time through the launcher. While
 they run the sweep reads their metrics rows: a trial whose loss is not finite or far above the
 reference at the same step (:data:`~.rank.STOP_GAP`) is stopped at once. When the rung is done the
@@ -247,19 +247,22 @@ class SweepRun:
         return row if row["status"] in ("ok", "diverged") else None
 
     def command(self, t: Trial, budget: int, resume: bool) -> list[str]:
+        """The ``ampctl train`` command of one rung of a trial: it runs to ``budget`` with
+        ``trainer.stop_at`` (the lr schedule keeps the full run's horizon, so a trial run in
+        rungs trains as the run the user will do), resumed from its own checkpoint after the
+        first rung."""
         plan = self.plan
         run_dir = plan.sweep_dir / t.name
-        steps = [f"trainer.max_steps={budget}"] if budget != t.cfg.trainer.max_steps else []
+        full = t.cfg.trainer.max_steps
+        stop = [f"trainer.stop_at={budget if budget != full else 'null'}"]
         if resume:
             # the user composed this config: its own _target_s are allowed on the resume
             cfg = t.cfg.to_dict()
             targets = [f"{k}={v}" for k, v in find_targets(cfg) if not is_shipped_target(v)]
-            args = ["--resume", str(run_dir), f"trainer.max_steps={budget}", *targets]
+            args = ["--resume", str(run_dir), *stop, *targets]
         else:
-            ovr = [o for o in t.overrides if not o.lstrip("+").startswith("trainer.max_steps=")]
-            if not steps and len(ovr) != len(t.overrides):
-                steps = [f"trainer.max_steps={budget}"]
-            args = [*ovr, *steps, f"trainer.runs_dir={_quote_value(str(plan.sweep_dir))}"]
+            stop = stop if budget != full else []
+            args = [*t.overrides, *stop, f"trainer.runs_dir={_quote_value(str(plan.sweep_dir))}"]
             args += ["--name", t.name]
             if plan.config_dir is not None:
                 args += ["--config-dir", str(plan.config_dir)]
@@ -316,7 +319,7 @@ class SweepRun:
         self.keep_logs(p, run_dir)
         row = trial_row(self.plan, t, piece)
         drift = config_diff(
-            run_dir / "config.yaml", t.cfg, ignore=("trainer.runs_dir", "trainer.max_steps")
+            run_dir / "config.yaml", t.cfg, ignore=("trainer.runs_dir", "trainer.stop_at")
         )
         if drift is not None:  # e.g. a conf/ or --config-dir file edited while the sweep ran
             key, ran, planned = drift
@@ -544,10 +547,10 @@ def _check_folder(plan: SweepPlan, budgets: list[int]) -> bool:
         summary = read_json(lay.summary)
         if summary is None:
             continue
-        d = config_diff(lay.config, t.cfg, ignore=("trainer.runs_dir", "trainer.max_steps"))
+        d = config_diff(lay.config, t.cfg, ignore=("trainer.runs_dir", "trainer.stop_at"))
         ran = as_number(summary.get("max_steps"))
-        if d is None and ran is not None and int(ran) not in budgets:
-            d = ("trainer.max_steps", int(ran), budgets[-1] if len(budgets) == 1 else budgets)
+        if d is None and ran is not None and int(ran) != budgets[-1]:
+            d = ("trainer.max_steps", int(ran), budgets[-1])
         if d is not None:
             k, old, new = d
             raise ConfigError(

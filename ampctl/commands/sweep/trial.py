@@ -192,7 +192,7 @@ class PieceResult:
     """How one ``ampctl train`` process of a trial ended, as the sweep saw it."""
 
     exit_code: int | None  # None: not known (found finished on resume, or the launcher failed)
-    target: int  # the step it was to reach (trainer.max_steps of that process)
+    target: int  # the step it was to reach (trainer.stop_at of that process)
     rung: int = 0
     error: str = ""  # what the launcher saw when the trial or its node died
     stderr_tail: str = ""

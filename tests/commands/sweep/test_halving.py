@@ -65,8 +65,12 @@ def test_halving_promotes_the_best_and_resumes_it_from_its_checkpoint(tmp_path):
         rec = json.loads((sdir / name / "sweep_trial.json").read_text())
         assert [p["target"] for p in rec["pieces"]] == [4, 8]
         assert rec["pieces"][1]["resumed_from_step"] == 4
+        # the first rung stops at 4 with the full run's lr horizon (max_steps 8); the last one
+        # resumes and runs to the end
+        assert "trainer.stop_at=4" in rec["pieces"][0]["command"]
+        assert all(m["max_steps"] == 8 for m in read_jsonl(sdir / name / "metrics.jsonl"))
         assert (
-            f"--resume {sdir.resolve() / name} trainer.max_steps=8" in rec["pieces"][1]["command"]
+            f"--resume {sdir.resolve() / name} trainer.stop_at=null" in rec["pieces"][1]["command"]
         )
         ckpts = sorted(p.name for p in (sdir / name / "checkpoints").glob("step_*.pt"))
         assert "step_00000004.pt" in ckpts and "step_00000008.pt" in ckpts

@@ -96,7 +96,7 @@ def test_every_trial_is_validated_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError) as e:
         plan_sweep([*FAST, f"trainer.runs_dir={runs}", "scaler.init_scale=1024,-1"])
     assert str(e.value) == (
-        "scaler.init_scale=-1.0 is not allowed: scaler.init_scale must be a number > 0 "
+        "scaler.init_scale=-1.0 is not allowed: scaler.init_scale must be a finite number > 0 "
         "(sweep trial init_scale=-1)"
     )
     with pytest.raises(
