@@ -23,7 +23,10 @@ def test_every_preset_composes(preset):
 
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)
 def test_every_group_option_composes(group, option, tmp_path):
-    extra = [f"data.path={tmp_path}"] if (group, option) == ("data", "text") else []
+    extra = {
+        ("data", "text"): [f"data.path={tmp_path}"],
+        ("data", "hf"): [f"data.path={tmp_path}", f"data.tokenizer={tmp_path}"],
+    }.get((group, option), [])
     cfg = load_config([f"{group}={option}", *extra])
     assert isinstance(cfg, RunConfig)
 

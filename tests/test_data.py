@@ -368,3 +368,24 @@ def test_build_data(corpus: Path) -> None:
         build_data("text", path=str(corpus), seq_len=8, batch_size=2, branching=4)
     with pytest.raises(DataError, match=r"data.kind 'synthetic' needs vocab_size"):
         build_data("synthetic", seq_len=8, batch_size=2)
+
+
+# ---------------------------------------------------------------------- causal
+
+
+def test_causal_batches_are_the_unmasked_sequences(make_source: Callable[..., MLMSource]) -> None:
+    mlm, causal = make_source(), make_source(objective="causal")
+    for i in range(3):
+        m, c = mlm.batch_at(i), causal.batch_at(i)
+        assert torch.equal(c["input_ids"], original_tokens(m))  # same tokens, not masked
+        assert torch.equal(c["labels"], c["input_ids"])  # the model shifts them
+        assert torch.equal(c["attention_mask"], m["attention_mask"])
+        assert (c["input_ids"][:, 0] == CLS_ID).all()  # CLS serves as BOS
+    state = causal.state_dict()
+    causal.next_batch()
+    assert causal.state_dict() == {"position": state["position"] + 1}
+
+
+def test_bad_objective_is_named(make_source: Callable[..., MLMSource]) -> None:
+    with pytest.raises(DataError, match=r"data.objective \('span'\) must be one of mlm, causal"):
+        make_source(objective="span")

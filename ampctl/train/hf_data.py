@@ -99,7 +99,8 @@ def _require(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise DataError(f"data=hf needs the {module} package: {INSTALL_HINT}") from None
+        hint = "pip install transformers" if module == "transformers" else INSTALL_HINT
+        raise DataError(f"data=hf needs the {module} package: {hint}") from None
 
 
 @contextlib.contextmanager
