@@ -252,12 +252,15 @@ def test_rotary_is_computed_in_fp32() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cos, sin = rotary_cos_sin(2048, 64, 500000.0, torch.device("cpu"))
     assert cos.dtype == torch.float32
-    t = 2000
-    assert abs(cos[t, 0].item() - math.cos(t)) < 1e-3  # a bf16 angle 2000 is +-4 rad off
-    x = torch.randn(1, 1, 2048, 64).bfloat16()
+    inv_freq = 500000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    angles = torch.arange(2048, dtype=torch.float64)[:, None] * inv_freq
+    ref = torch.cat((angles, angles), dim=-1).cos()
+    assert (cos.double() - ref).abs().max() < 1e-3  # in bf16 an angle near 2000 is +-4 rad off
+    x = torch.randn(1, 2, 2048, 64).bfloat16()
     y = apply_rotary(x, cos, sin)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float().norm(dim=-1), x.float().norm(dim=-1), rtol=2e-2, atol=0)
+    # rotated in fp32 and rounded once, not rounded after every bf16 operation
+    assert torch.equal(y, apply_rotary(x.float(), cos, sin).bfloat16())
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ the tokenizer trainer, and one check on real text that ships with Python."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import sysconfig
@@ -122,11 +123,12 @@ def test_tokenizer_cli_writes_once_and_says_how_to_use_it(corpus: Path, tmp_path
 
 
 def test_auto_tokenizer_folder_works_too(corpus: Path, tmp_path: Path) -> None:
-    """A folder without tokenizer.json (a BERT vocab.txt) goes through AutoTokenizer."""
+    """A folder without tokenizer.json (a BERT vocab.txt) goes through AutoTokenizer; its
+    special tokens sit at the end of the vocabulary, not at ampctl's ids 0-3."""
     pytest.importorskip("transformers")
     folder = tmp_path / "bert"
     folder.mkdir()
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *sorted(set(WORDS))]
+    vocab = [".", *sorted(set(WORDS)), "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True})
@@ -134,17 +136,23 @@ def test_auto_tokenizer_folder_works_too(corpus: Path, tmp_path: Path) -> None:
     src = HFSource(
         path=corpus,
         tokenizer=folder,
-        seq_len=16,
-        batch_size=2,
+        seq_len=32,
+        batch_size=4,
         vocab_size=len(vocab),
         objective="mlm",
         cache_dir=tmp_path / "cache",
     )
+    cls, sep, mask = (vocab.index(t) for t in ("[CLS]", "[SEP]", "[MASK]"))
     b = src.next_batch()
-    assert (b["input_ids"][:, 0] == 2).all()  # [CLS]
+    assert (b["input_ids"][:, 0] == cls).all()
+    assert (src._stream == sep).sum() == 24
     selected = b["labels"] != IGNORE_INDEX
-    assert selected.any() and (b["input_ids"][selected] == 4).any()  # [MASK]
-    assert (b["labels"][selected] > 4).all()  # never a special token
+    assert selected.any() and (b["input_ids"][selected] == mask).any()
+    assert (b["labels"][selected] < len(vocab) - 5).all()  # never a special token
+    random_ids = b["input_ids"][selected & (b["input_ids"] != b["labels"])]
+    assert not torch.isin(
+        random_ids, torch.tensor([cls, sep, len(vocab) - 5, len(vocab) - 4])
+    ).any()
 
 
 # -------------------------------------------------------------------- batches
@@ -242,13 +250,26 @@ def test_cache_is_invalidated_when_a_file_changes(make, corpus: Path, tmp_path: 
 
 
 def test_nothing_touches_the_network(make, monkeypatch) -> None:
+    import datasets
+
     def no_network(*a, **k):
         raise AssertionError("network access")
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
+    seen: list[tuple] = []
+    load = datasets.load_dataset
+
+    def spy(*a, **k):
+        seen.append((os.environ.get("HF_HUB_OFFLINE"), datasets.config.HF_HUB_OFFLINE))
+        return load(*a, **k)
+
+    monkeypatch.setattr(datasets, "load_dataset", spy)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     src = make(objective="mlm")
     assert not src.cache_hit and src.num_windows > 0
+    assert seen == [("1", True)]  # offline while ampctl calls the library...
+    assert "HF_HUB_OFFLINE" not in os.environ  # ...and the user's environment restored
 
 
 # -------------------------------------------------------------------- formats
