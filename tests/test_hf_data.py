@@ -266,10 +266,12 @@ def test_nothing_touches_the_network(make, monkeypatch) -> None:
 
     monkeypatch.setattr(datasets, "load_dataset", spy)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     src = make(objective="mlm")
     assert not src.cache_hit and src.num_windows > 0
     assert seen == [("1", True)]  # offline while ampctl calls the library...
     assert "HF_HUB_OFFLINE" not in os.environ  # ...and the user's environment restored
+    assert datasets.config.HF_HUB_OFFLINE is False
 
 
 # -------------------------------------------------------------------- formats
