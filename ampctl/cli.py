@@ -335,8 +335,11 @@ def tokenizer_train(
     )
     import shlex
 
+    extra = (f" data.format={fmt}" if fmt != "auto" else "") + (
+        f" {shlex.quote(f'data.text_field={text_field}')}" if text_field != "text" else ""
+    )
     typer.echo(
-        f"use it: ampctl train conf=gpt2_tiny data=hf {shlex.quote(f'data.path={path}')} "
+        f"use it: ampctl train conf=gpt2_tiny data=hf {shlex.quote(f'data.path={path}')}{extra} "
         f"{shlex.quote(f'data.tokenizer={res.out}')} data.vocab_size={res.vocab_size}"
     )
 

@@ -118,6 +118,19 @@ def test_tokenizer_cli_writes_once_and_says_how_to_use_it(corpus: Path, tmp_path
     assert json.loads((out / "tokenizer_config.json").read_text())["mask_token"] == "[MASK]"
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "already holds a tokenizer.json" in again.output
+    py = runner.invoke(
+        app,
+        [
+            "tokenizer",
+            "train",
+            str(corpus / "*.txt"),
+            "--out",
+            str(tmp_path / "t3"),
+            "--format",
+            "text",
+        ],
+    )
+    assert py.exit_code == 0 and "data.format=text data.tokenizer=" in py.output
     small = runner.invoke(app, [*args[:4], str(tmp_path / "t2"), "--vocab-size", "100"])
     assert small.exit_code == 2 and "--vocab-size 100" in small.output
 
