@@ -116,8 +116,11 @@ def _offline() -> Iterator[None]:
         ("datasets.config", "HF_HUB_OFFLINE"),
         ("datasets.config", "HF_DATASETS_OFFLINE"),
     ):
-        mod = importlib.import_module(module) if _importable(module) else None
-        if mod is not None and hasattr(mod, attr):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(mod, attr):
             patched.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, True)
     try:
@@ -130,14 +133,6 @@ def _offline() -> Iterator[None]:
                 os.environ.pop(n, None)
             else:
                 os.environ[n] = v
-
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
 
 
 def default_cache_dir() -> Path:
