@@ -368,6 +368,24 @@ def test_unknown_extensions_and_special_less_tokenizers(tmp_path: Path, make) ->
         make(tokenizer=str(tmp_path / "junk.json"))
 
 
+def test_cli_reports_a_missing_tokenizer_in_one_line(corpus: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "conf=gpt2_tiny",
+            "data=hf",
+            f"data.path={corpus}",
+            f"data.tokenizer={tmp_path / 'none'}",
+            f"trainer.runs_dir={tmp_path / 'runs'}",
+        ],
+    )
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.startswith("ampctl: error:")]
+    assert len(lines) == 1 and "data.tokenizer" in lines[0] and "does not exist" in lines[0]
+    assert "Traceback" not in res.output
+
+
 def test_builder_checks_the_model_vocabulary(corpus: Path, tokenizer: Path, tmp_path: Path) -> None:
     base = [
         "conf=gpt2_tiny",
