@@ -29,7 +29,8 @@ app = typer.Typer(
 
 OVERRIDES_HELP = (
     "Hydra overrides: key=value, +new.key=value, ~key; conf=NAME picks a preset from conf/ "
-    "(config, bert_base, bert_large); groups: model=, data=, optim=, precision=, scaler=, guard=."
+    "(config, bert_base, bert_large, gpt2_tiny, gpt2_small, llama_tiny, llama_1b); groups: "
+    "model=, data=, optim=, precision=, scaler=, guard=."
 )
 
 _DEBUG = {"on": False}
@@ -400,6 +401,72 @@ def plot(
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
+
+
+tokenizer_app = typer.Typer(
+    help="Tokenizers for data=hf: train one on your own corpus.", no_args_is_help=True
+)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="The corpus, as data.path takes it: text/json/parquet file, folder, glob, or a "
+            "save_to_disk folder.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Folder to write tokenizer.json into (new).")
+    ],
+    vocab_size: Annotated[
+        int, typer.Option("--vocab-size", help="Tokens, specials included (data.vocab_size).")
+    ] = 8192,
+    min_frequency: Annotated[
+        int, typer.Option("--min-frequency", help="Least count of a pair to merge.")
+    ] = 2,
+    text_field: Annotated[
+        str, typer.Option("--text-field", help="Column of json/parquet/arrow rows.")
+    ] = "text",
+    fmt: Annotated[
+        str, typer.Option("--format", help="auto, text, json, parquet or arrow.")
+    ] = "auto",
+) -> None:
+    """Train a byte-level BPE tokenizer (the tokenizers library) on a local corpus, offline.
+
+    Writes OUT/tokenizer.json and OUT/tokenizer_config.json; use them with
+    data=hf data.tokenizer=OUT data.vocab_size=VOCAB_SIZE.
+    """
+    from ampctl.tokenizer import train_tokenizer
+
+    try:
+        res = train_tokenizer(
+            path,
+            out,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            text_field=text_field,
+            format=fmt,
+        )
+    except _input_errors() as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    typer.echo(
+        f"trained a byte-level BPE tokenizer: {res.vocab_size} tokens from {res.documents} "
+        f"documents ({res.characters / 1e6:.2f}M characters) in {res.seconds:.1f} s -> "
+        f"{res.out / 'tokenizer.json'}"
+    )
+    import shlex
+
+    extra = (f" data.format={fmt}" if fmt != "auto" else "") + (
+        f" {shlex.quote(f'data.text_field={text_field}')}" if text_field != "text" else ""
+    )
+    typer.echo(
+        f"use it: ampctl train conf=gpt2_tiny data=hf {shlex.quote(f'data.path={path}')}{extra} "
+        f"{shlex.quote(f'data.tokenizer={res.out}')} data.vocab_size={res.vocab_size}"
+    )
 
 
 def main() -> None:

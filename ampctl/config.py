@@ -80,13 +80,22 @@ class DataConfig:
     mask_prob: float = 0.15
     branching: int = 4
     path: str | None = None
+    # masked-LM or next-token batches; auto: causal for a model whose class name ends in
+    # ForCausalLM or LMHeadModel (GPT-2, Llama, their HF classes), mlm otherwise
+    objective: str = "auto"
+    # data=hf only (ampctl.train.hf_data)
+    tokenizer: str | None = None
+    text_field: str = "text"
+    format: str = "auto"
+    split: str = "train"
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         _need(
-            self.kind in ("synthetic", "text"),
+            self.kind in ("synthetic", "text", "hf"),
             "data.kind",
             self.kind,
-            "one of synthetic, text (select with data=synthetic or data=text)",
+            "one of synthetic, text, hf (select with data=synthetic, data=text or data=hf)",
         )
         _need(self.vocab_size >= 8, "data.vocab_size", self.vocab_size, "an integer >= 8")
         _need(self.seq_len >= 4, "data.seq_len", self.seq_len, "an integer >= 4")
@@ -98,6 +107,19 @@ class DataConfig:
             "in (0, 1)",
         )
         _need(self.branching >= 1, "data.branching", self.branching, "an integer >= 1")
+        _need(
+            self.objective in ("auto", "mlm", "causal"),
+            "data.objective",
+            self.objective,
+            "one of auto, mlm, causal",
+        )
+        _need(
+            self.format in ("auto", "text", "json", "parquet", "arrow"),
+            "data.format",
+            self.format,
+            "one of auto, text, json, parquet, arrow",
+        )
+        _need(bool(self.text_field), "data.text_field", self.text_field, "a column name")
         if self.kind == "text":
             if not self.path:
                 raise ConfigError(
@@ -109,6 +131,17 @@ class DataConfig:
                 self.vocab_size,
                 "260 with data=text (byte-level tokenizer)",
             )
+        if self.kind == "hf":
+            if not self.path:
+                raise ConfigError(
+                    "data.path is missing: data=hf needs data.path= (a save_to_disk folder, "
+                    "text/json/parquet files, a folder or a glob of them)"
+                )
+            if not self.tokenizer:
+                raise ConfigError(
+                    "data.tokenizer is missing: data=hf needs data.tokenizer= (a tokenizer.json "
+                    "or a tokenizer folder; make one with `ampctl tokenizer train`)"
+                )
 
 
 @dataclass(kw_only=True)

@@ -204,8 +204,16 @@ def test_print_config_shows_the_seed_settings_for_bert_large():
 
 
 def test_help_explains_every_command():
-    for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot"):
-        res = run(cmd, "--help")
+    for cmd in (
+        "train",
+        "sweep-scale",
+        "diagnose",
+        "bench",
+        "plot",
+        "tokenizer",
+        "tokenizer train",
+    ):
+        res = run(*cmd.split(), "--help")
         assert res.exit_code == 0 and "Usage" in res.output
 
 
