@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from ampctl.config import load_config
 from ampctl.train.builders import build_model, data_objective
-from ampctl.train.causal import CausalLMOutput
 from ampctl.train.checkpoint import load_checkpoint
-from ampctl.train.gpt2 import GPT2LMHeadModel
-from ampctl.train.llama import LlamaForCausalLM
-from ampctl.train.loop import train
+from ampctl.train.models.causal import CausalLMOutput
+from ampctl.train.models.gpt2 import GPT2LMHeadModel
+from ampctl.train.models.llama import LlamaForCausalLM
 from ampctl.train.run import new_run_dir
+from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 
 VOCAB, SEQ = 50, 16
@@ -247,7 +247,7 @@ def test_mixed_precision_forward(make, dtype: torch.dtype) -> None:
 
 
 def test_rotary_is_computed_in_fp32() -> None:
-    from ampctl.train.llama import apply_rotary, rotary_cos_sin
+    from ampctl.train.models.llama import apply_rotary, rotary_cos_sin
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cos, sin = rotary_cos_sin(2048, 64, 500000.0, torch.device("cpu"))

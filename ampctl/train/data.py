@@ -34,13 +34,18 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ampctl.amp.checks import is_finite, need
+from ampctl.errors import ConfigError
+
 __all__ = [
+    "DataConfig",
     "PAD_ID",
     "CLS_ID",
     "SEP_ID",
@@ -96,6 +101,86 @@ _TOPIC_ZIPF_EXPONENT = 1.5
 _CHAIN_SLOTS = 64
 #: Largest ``SyntheticMLM(branching=...)``; every successor needs at least one slot.
 MAX_BRANCHING = 32
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """``data.*``: the data source (synthetic, text, hf) and its batches."""
+
+    kind: str = "synthetic"
+    vocab_size: int = 1024
+    seq_len: int = 64
+    batch_size: int = 16
+    mask_prob: float = 0.15
+    branching: int = 4
+    path: str | None = None
+    # masked-LM or next-token batches; auto: causal for a model whose class name ends in
+    # ForCausalLM or LMHeadModel (GPT-2, Llama, their HF classes), mlm otherwise
+    objective: str = "auto"
+    # data=hf only (ampctl.train.hf_data)
+    tokenizer: str | None = None
+    text_field: str = "text"
+    format: str = "auto"
+    split: str = "train"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        need(
+            self.kind in ("synthetic", "text", "hf"),
+            self,
+            "kind",
+            self.kind,
+            "one of synthetic, text, hf (select with data=synthetic, data=text or data=hf)",
+        )
+        need(self.vocab_size >= 8, self, "vocab_size", self.vocab_size, "an integer >= 8")
+        need(self.seq_len >= 4, self, "seq_len", self.seq_len, "an integer >= 4")
+        need(self.batch_size >= 1, self, "batch_size", self.batch_size, "an integer >= 1")
+        need(
+            is_finite(self.mask_prob) and 0 < self.mask_prob < 1,
+            self,
+            "mask_prob",
+            self.mask_prob,
+            "in (0, 1)",
+        )
+        need(self.branching >= 1, self, "branching", self.branching, "an integer >= 1")
+        need(
+            self.objective in ("auto", "mlm", "causal"),
+            self,
+            "objective",
+            self.objective,
+            "one of auto, mlm, causal",
+        )
+        need(
+            self.format in ("auto", "text", "json", "parquet", "arrow"),
+            self,
+            "format",
+            self.format,
+            "one of auto, text, json, parquet, arrow",
+        )
+        need(bool(self.text_field), self, "text_field", self.text_field, "a column name")
+        if self.kind == "text":
+            if not self.path:
+                raise ConfigError(
+                    "data.path is missing: data=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files)"
+                )
+            need(
+                self.vocab_size == 260,
+                self,
+                "vocab_size",
+                self.vocab_size,
+                "260 with data=text (byte-level tokenizer)",
+            )
+        if self.kind == "hf":
+            if not self.path:
+                raise ConfigError(
+                    "data.path is missing: data=hf needs data.path= (a save_to_disk folder, "
+                    "text/json/parquet files, a folder or a glob of them)"
+                )
+            if not self.tokenizer:
+                raise ConfigError(
+                    "data.tokenizer is missing: data=hf needs data.tokenizer= (a tokenizer.json "
+                    "or a tokenizer folder; make one with `ampctl tokenizer train`)"
+                )
 
 
 class DataError(ValueError):

@@ -1,4 +1,4 @@
-"""Pieces shared by the decoder models (:mod:`ampctl.train.gpt2`, :mod:`ampctl.train.llama`).
+"""Pieces shared by the decoder models (:mod:`ampctl.train.models.gpt2`, :mod:`ampctl.train.models.llama`).
 
 * :class:`CausalLMOutput`: ``.loss`` / ``.logits``, also readable as a mapping (HF style).
 * :func:`causal_lm_loss`: the Hugging Face causal-LM loss. ``labels`` are the input ids (or -100
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ampctl.train.models import MaskedLMOutput
+from .bert import MaskedLMOutput
 
 __all__ = [
     "ATTN_IMPLS",

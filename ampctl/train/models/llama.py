@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ampctl.train.causal import (
+from .causal import (
     ATTN_IMPLS,
     CausalLMOutput,
     causal_attention,
@@ -315,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
                 inside (position t predicts labels[t + 1]), as in Hugging Face.
 
         Returns:
-            :class:`~ampctl.train.causal.CausalLMOutput`: ``logits`` [B, T, vocab_size] in the
+            :class:`~ampctl.train.models.causal.CausalLMOutput`: ``logits`` [B, T, vocab_size] in the
             compute dtype, ``loss`` the mean fp32 cross entropy (``None`` without labels).
         """
         key_mask = check_inputs(input_ids, attention_mask, labels, self.max_position)
