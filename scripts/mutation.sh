@@ -6,6 +6,7 @@
 #   scripts/mutation.sh 'ampctl.amp.guard.*' # only the mutants whose names match
 #   MUTATION_KEEP=1 scripts/mutation.sh      # reuse mutants/ (re-tests changed functions only)
 #   JOBS=4 scripts/mutation.sh               # parallel workers (default 2)
+#   scripts/mutation.sh --report             # only the summary of the last run in mutants/
 #
 # What is mutated and which tests run: [tool.mutmut] in pyproject.toml. Afterwards
 # `mutmut results` lists the survivors, `mutmut show NAME` shows one as a diff. The script ends
@@ -25,13 +26,17 @@ unset PYTHONPATH
 # One thread everywhere: the workers are forked from the process that ran the tests, and a
 # thread pool started before a fork hangs the child (tests/conftest.py reads AMPCTL_TEST_THREADS).
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 AMPCTL_TEST_THREADS=1
-[ "${MUTATION_KEEP:-0}" = 1 ] || rm -rf mutants
-
 start=$(date +%s)
-nice -n 19 mutmut run --max-children "${JOBS:-2}" "$@"
+if [ "${1:-}" = --report ]; then
+    [ -d mutants ] || { echo "scripts/mutation.sh: no mutants/ folder: run it first" >&2; exit 2; }
+    start=""
+else
+    [ "${MUTATION_KEEP:-0}" = 1 ] || rm -rf mutants
+    nice -n 19 mutmut run --max-children "${JOBS:-2}" "$@"
+fi
 end=$(date +%s)
 
-python - "$((end - start))" <<'EOF'
+python - "${start:+$((end - start))}" <<'EOF'
 import json
 import re
 import sys
@@ -54,9 +59,10 @@ tested = sum(v for k, v in counts.items() if k != "not checked")
 killed = counts["killed"]
 print(f"\nmutation: {killed} killed, {counts['survived']} survived, {counts['timeout']} timeouts, "
       f"{counts['no tests']} without tests, {counts['suspicious']} suspicious, of {tested} "
-      f"tested; score {killed / max(tested, 1):.1%}, survivors {counts['survived'] / max(tested, 1):.1%};"
-      f" wall {int(sys.argv[1]) // 60} min {int(sys.argv[1]) % 60} s")
-listed = set(re.findall(r"`([\w.ǁ]+__mutmut_\d+)`", Path("docs/mutation-survivors.md").read_text()))
+      f"tested; score {killed / max(tested, 1):.1%}, survivors {counts['survived'] / max(tested, 1):.1%}"
+      + (f"; wall {int(sys.argv[1]) // 60} min {int(sys.argv[1]) % 60} s" if sys.argv[1] else ""))
+doc = Path("docs/mutation-survivors.md")
+listed = set(re.findall(r"`([\w.ǁ]+__mutmut_\d+)`", doc.read_text() if doc.exists() else ""))
 new = sorted(set(survivors) - listed)
 if new:
     print(f"{len(new)} survivors not in docs/mutation-survivors.md (mutmut show NAME):")

@@ -968,7 +968,6 @@ def test_like_gradscaler_cuda_without_cuda_warns_and_disables():
         "LossScaler.like_gradscaler: device='cuda' but CUDA is not available; scaling is "
         "disabled (as torch.amp.GradScaler does)."
     ]
-    assert rec[0].filename == __file__  # points at the caller
     assert not s.is_enabled() and s._device == "cuda"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -989,7 +988,284 @@ def test_pickle_and_deepcopy_between_iterations():
         assert len(t._per_optimizer_states) == 0
         _step(t, model, opt, plant=INF)
         assert t.get_scale() == 16.0 and t.skipped_steps == 2
+
+
+# ------------------------------------------------------------------ device placement
+class _MetaAware(torch.optim.SGD):
+    """Steps nothing: records what it was handed (the meta device has no values to read)."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        self.got = (self.grad_scale, self.found_inf)
+        return "ok"
+
+
+def test_every_tensor_of_a_step_lives_on_the_scalers_device():
+    """``meta`` stands in for an accelerator: nothing may land on the CPU along the way."""
+    model = nn.Linear(2, 1, device="meta")
+    opt = _MetaAware(model.parameters(), lr=0.1)
+    s = LossScaler(init_scale=4.0, history_size=4)
+    seen = []
+    s.reduce_flags = lambda flags: seen.append(flags.device.type) or flags
+    for unscale_first in (False, True):
+        s.scale(model(torch.ones(1, 2, device="meta")).sum()).backward()
+        if unscale_first:
+            s.unscale_(opt)
+            assert [f.device.type for f in s._found_inf_per_device(opt).values()] == ["meta"]
+        assert s.step(opt) == "ok"
+        assert opt.got[1].device.type == "meta"
+        s.update()
+    assert seen == ["meta", "meta"]
+    assert opt.got[0] is None  # unscaled already: no scale handed over
+    assert {k: v.device.type for k, v in s._t.items()} == dict.fromkeys(s._t, "meta")
+    assert s.recent_skips(0).device.type == "meta" and s.recent_skips(2).device.type == "meta"
+    assert s.recent_history(2).device.type == "meta"
+    s.update(new_scale=2.0)
+    s.load_state_dict(LossScaler(init_scale=8.0).state_dict())
+    assert {k: v.device.type for k, v in s._t.items()} == dict.fromkeys(s._t, "meta")
+    m = LossScaler()
+    m.init_state("meta")
+    assert m.device.type == "meta" and m._check_inf_per_device(opt) is not None
+    assert [f.device.type for f in m._found_inf_per_device(opt).values()] == ["meta"]
+
+
+def test_a_disabled_scalers_closure_step_creates_the_state_on_the_parameters_device():
+    p = nn.Parameter(torch.zeros(2, device="meta"))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = LossScaler(enabled=False)
+    s.step(opt, closure=lambda: None)
+    assert s.device.type == "meta"
+    assert s._per_optimizer_states[id(opt)]["flags"].device.type == "meta"
+    assert s._per_optimizer_states[id(opt)]["flags"].dtype == torch.float32
+    q = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    q.param_groups[0]["params"] = []  # no parameters at all: the CPU
+    t = LossScaler(enabled=False)
+    t.step(q, closure=lambda: None)
+    assert t.device == torch.device("cpu")
+
+
+# ------------------------------------------------------------------ odds and ends
+def test_step_passes_the_optimizers_own_arguments_through():
+    class Args(torch.optim.SGD):
+        def step(self, *args, **kwargs):
+            self.got = (args, kwargs)
+            return "stepped"
+
+    class AwareArgs(Args):
+        _step_supports_amp_scaling = True
+
+    class TakesScalerArgs(_TakesScaler):
+        def step(self, closure=None, grad_scaler=None, *, extra=None):
+            self.args = (closure, extra)
+            return super().step(grad_scaler=grad_scaler)
+
+    model = _model()
+    for cls in (Args, AwareArgs):
+        opt = cls(model.parameters(), lr=0.1)
+        s = LossScaler(init_scale=4.0)
+        _backward(s, model)
+        assert s.step(opt, "pos", key="word") == "stepped"
+        assert opt.got == (("pos",), {"key": "word"})
+        s.update()
+    opt = TakesScalerArgs(model.parameters(), lr=0.1)
+    s = LossScaler(init_scale=4.0)
+    _backward(s, model)
+    with pytest.warns(FutureWarning):
+        s.step(opt, "pos", extra="word")
+    assert opt.args == ("pos", "word")
+    s.update()
     off = LossScaler(enabled=False)
-    off.scale(torch.tensor(1.0))
-    off._per_optimizer_states[0]["stage"] = OptState.UNSCALED
-    assert pickle.loads(pickle.dumps(off)).num_steps == 0  # disabled: no iteration check
+    opt = Args(model.parameters(), lr=0.1)
+    off.step(opt, "pos", closure="c")
+    assert opt.got == (("pos",), {"closure": "c"})
+
+
+def test_the_distributed_hook_runs_once_per_optimizer_and_step():
+    """Every rank must make the same number of collective calls: one reduction per step."""
+    model = _model()
+    s = LossScaler(init_scale=4.0)
+    calls = []
+    s.reduce_flags = lambda flags: calls.append(1) or flags
+    for opt in (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _TakesScaler(model.parameters(), lr=0.1),
+        _ReadsTensors(model.parameters(), lr=0.1),
+    ):
+        calls.clear()
+        opt.zero_grad()
+        _backward(s, model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            s.step(opt)
+        s.update()
+        assert calls == [1], type(opt).__name__
+
+
+def test_the_grad_scaler_protocol_warning_word_for_word_and_step_once():
+    model = _model()
+    opt = _TakesScaler(model.parameters(), lr=0.1)
+    s = LossScaler(init_scale=4.0)
+    _backward(s, model)
+    with pytest.warns(FutureWarning) as rec:
+        s.step(opt)
+    assert [str(w.message) for w in rec] == [
+        "LossScaler passes itself as grad_scaler= to this optimizer, as GradScaler does; "
+        "GradScaler is going to stop passing itself and set `grad_scale` and `found_inf` tensors "
+        "on the optimizer instead."
+    ]
+    with pytest.raises(CallOrderError, match="step\\(\\) was already called"):
+        s.step(opt)
+    s.update()
+    opt2 = _ReadsTensors(model.parameters(), lr=0.1)
+    _backward(s, model)
+    s.step(opt2)
+    with pytest.raises(CallOrderError, match="step\\(\\) was already called"):
+        s.step(opt2)
+
+
+def test_recent_skips_of_one_step_and_stats_after_a_skip():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = LossScaler(init_scale=4.0)
+    _step(s, model, opt, plant=INF)
+    assert s.recent_skips(1).item() == 1.0
+    assert s.stats()["last_skipped"] is True and s.stats()["skipped_total"] == 1
+
+
+def test_an_empty_history_before_the_first_step_has_three_float64_columns():
+    s = LossScaler()
+    s.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+    h = s.state_dict()["history"]
+    assert h.shape == (0, 3) and h.dtype == torch.float64
+    t = LossScaler()
+    t.load_state_dict({**LossScaler().state_dict(), "history": [[1, 8, 1], [2, 4, 0]]})
+    h = t.state_dict()["history"]
+    assert h.dtype == torch.float64 and h.tolist() == [[1.0, 8.0, 1.0], [2.0, 4.0, 0.0]]
+
+
+def test_a_disabled_scaler_pickles_without_its_step_under_way():
+    s = LossScaler(enabled=False)
+    s.scale(torch.tensor(INF))
+    s._per_optimizer_states[0]["stage"] = OptState.UNSCALED
+    t = pickle.loads(pickle.dumps(s))
+    assert t._loss_nonfinite is None and len(t._per_optimizer_states) == 0
+    assert s._loss_nonfinite is not None  # the original is left as it was
+
+
+def test_histories_are_float64_with_three_columns_from_the_start():
+    s = LossScaler()
+    assert s.state_dict()["history"].dtype == torch.float64
+    s.init_state("cpu")
+    h = s.state_dict()["history"]
+    assert h.shape == (0, 3) and h.dtype == torch.float64
+    assert s.get_scale_tensor() is s._scale and s.get_scale_tensor().dtype == torch.float32
+
+
+def test_a_short_history_loaded_into_a_larger_ring_keeps_its_order():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    src = LossScaler(init_scale=64.0, history_size=3)
+    for i in range(5):
+        _step(src, model, opt, plant=INF if i == 3 else None)
+    want = src.recent_history(3).tolist()
+    dst = LossScaler(history_size=4)
+    dst.load_state_dict(src.state_dict())
+    dst.init_state("cpu")
+    assert dst.recent_history(3).tolist() == want
+    _step(dst, model, opt)
+    assert dst.recent_history(4).tolist() == [*want, [6.0, 32.0, 0.0]]
+
+
+def test_update_numbers_stay_exact_past_float32_integers():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s = LossScaler(init_scale=8.0)
+    s.init_state("cpu")
+    s._num_updates = 2**24 + 2
+    _step(s, model, opt)
+    assert s.recent_history(1)[0, 0].item() == 2**24 + 3
+    assert s.history()[-1][0] == 2**24 + 3
+
+
+def test_a_disabled_scaler_records_losses_from_any_iterable():
+    s = LossScaler(enabled=False)
+    gen = s.scale(t for t in (torch.tensor(1.0), torch.tensor(NAN)))
+    assert [t.item() == t.item() for t in gen] == [True, False]  # handed back as given
+    assert s._loss_nonfinite.item() is True
+    assert s.stats()["scale"] == 1.0
+
+
+def test_a_missing_gradient_does_not_hide_the_next_ones():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = LossScaler(init_scale=8.0)
+    _backward(s, model)
+    model.weight.grad = None  # the first parameter: skipped, the bias still checked
+    model.bias.grad[0] = INF
+    s.step(opt)
+    s.update()
+    assert s.skipped_steps == 1
+
+
+def test_a_pure_pass_through_passes_the_step_arguments():
+    class Args(torch.optim.SGD):
+        def step(self, *args, **kwargs):
+            self.got = (args, kwargs)
+            return "stepped"
+
+    opt = Args(_model().parameters(), lr=0.1)
+    s = LossScaler(enabled=False, check_finite=False)
+    assert s.step(opt, "pos", key=1) == "stepped" and opt.got == (("pos",), {"key": 1})
+
+
+def test_maybe_opt_step_reached_into_directly_decides_from_the_recorded_flags():
+    """GradScaler's internal, as training code calls it after unscale_: it computes the flags
+    itself when step() has not."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = LossScaler(init_scale=8.0)
+    _backward(s, model, plant=INF)
+    s.unscale_(opt)
+    state = s._per_optimizer_states[id(opt)]
+    w = model.weight.detach().clone()
+    assert s._maybe_opt_step(opt, state) is None
+    assert torch.equal(model.weight, w) and state["flags"].tolist() == [1.0, 0.0]
+    assert s.last_skip_read is True
+    s.update()
+    opt.zero_grad()
+    _backward(s, model)
+    s.unscale_(opt)
+    state = s._per_optimizer_states[id(opt)]
+    s._maybe_opt_step(opt, state)
+    assert not torch.equal(model.weight, w) and state["flags"].tolist() == [0.0, 0.0]
+
+
+def test_the_step_read_remembers_a_skip_across_optimizers_in_any_order():
+    a, b = _model(), _model()
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    s = LossScaler(init_scale=16.0)
+    x = torch.ones(1, 2)
+    s.scale(a(x).sum() + b(x).sum()).backward()
+    a.weight.grad[0, 0] = INF
+    s.step(oa)
+    s.step(ob)
+    assert s.last_skip_read is True
+    s.update()
+    assert s.last_step_skipped_host is True
+
+
+def test_recent_history_never_returns_more_than_was_recorded():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s = LossScaler(init_scale=8.0)
+    _step(s, model, opt)
+    _step(s, model, opt)
+    assert s.recent_history(5).tolist() == [[1.0, 8.0, 0.0], [2.0, 8.0, 0.0]]
+
+
+def test_a_disabled_scaler_reports_scale_one_whatever_its_state_holds():
+    s = LossScaler(enabled=False)
+    s._scale = 8.0  # GradScaler's attribute, written on a disabled scaler
+    assert s.stats()["scale"] == 1.0 and s.get_scale() == 1.0

@@ -85,6 +85,8 @@ class Loop:
         fused: bool = False,
         scaler: dict | None = None,
         progress: bool = True,
+        start: bool = True,
+        protection: dict | None = None,
         **guard,
     ) -> None:
         self.model = Tiny()
@@ -100,8 +102,10 @@ class Loop:
             config=GuardConfig(**guard),
             emit=self.emitted.append,
             progress=self.progress,
+            **(protection or {}),
         )
-        self.prot.start(0)
+        if start:
+            self.prot.start()
         self.n = 0
 
     def step(self, plant: tuple[str, ...] = (), batches: list | None = None):
@@ -298,6 +302,23 @@ def test_rollback_restores_the_snapshot_bit_for_bit_and_cuts_the_scale():
     assert loop.kinds()[-1] == "rollback" and loop.prot.events[-1]["to_step"] == 4
 
 
+def test_a_second_rollback_to_the_same_snapshot_restores_it_unchanged():
+    """The optimizer gets a copy of the snapshot's state: stepping on does not alter it."""
+    loop = Loop(snapshot_every=3, rollback_after=2)
+    for _ in range(3):
+        loop.step()
+    saved = loop.state()
+    for _ in range(2):
+        loop.step(plant=("head.weight",))
+    assert loop.kinds()[-1] == "rollback" and _same(loop.state(), saved)
+    loop.step()
+    loop.step()  # Adam updates its moments in place
+    for _ in range(2):
+        loop.step(plant=("head.weight",))
+    assert loop.prot.events[-1]["to_step"] == 3
+    assert _same(loop.state(), saved)
+
+
 def test_rollback_cut_uses_the_smaller_of_the_two_scales_and_the_floor():
     # the scale grew after the snapshot: the snapshot's scale is the smaller
     loop = Loop(scaler={"growth_interval": 1}, snapshot_every=100, rollback_after=3)
@@ -414,14 +435,19 @@ def test_fp16_pure_fallback_needs_a_way_to_rebuild_the_optimizer():
 
 
 def test_fp16_pure_fallback_rebuilds_the_optimizer_over_the_weights():
-    loop = Loop("fp16-pure", rollback_after=1, max_rollbacks=0, snapshot_every=1)
     built = []
 
     def rebuild(params):
         built.append(params)
         return torch.optim.AdamW(params, lr=1e-2)
 
-    loop.prot.rebuild_optimizer = rebuild
+    loop = Loop(
+        "fp16-pure",
+        rollback_after=1,
+        max_rollbacks=0,
+        snapshot_every=1,
+        protection={"rebuild_optimizer": rebuild},
+    )
     loop.step()
     masters = [m.detach().clone() for m in loop.prot.precision.master.params]
     state = copy.deepcopy(loop.prot.optimizer.state_dict()["state"])
@@ -586,20 +612,35 @@ class _Ranks:
 
 
 def test_ranks_agree_on_the_first_located_module():
-    loop = Loop()
-    loop.prot.dist = _Ranks([None, ("head", "float16")])
+    loop = Loop(protection={"dist": _Ranks([None, ("head", "float16")])})
     loop.model.amp.boost = 1000.0
     loop.step()
     assert loop.prot.events[-1]["message"] == (
         "forward overflow first appears in head (non-finite, float16): now runs in fp32"
     )
     loop = Loop()
-    ranks = _Ranks([("head", "float16")])
-    ranks.enabled = False
-    loop.prot.dist = ranks
+    loop.prot.dist = _Ranks([None])  # this rank's own finding counts
     loop.model.amp.boost = 1000.0
     loop.step()
     assert loop.prot.events[-1]["module"] == "amp"
+    loop = Loop()
+    loop.prot.dist = _Ranks([None])  # nobody reproduced it
+    loop.model.amp.flaky = 1
+    loop.step()
+    assert loop.prot.events[-1]["message"].startswith("forward overflow did not reproduce")
+    off = _Ranks([("head", "float16")])
+    off.enabled = False
+    for dist in (off, _Gathers()):  # a context without `enabled` is a single process too
+        loop = Loop()
+        loop.prot.dist = dist
+        loop.model.amp.boost = 1000.0
+        loop.step()
+        assert loop.prot.events[-1]["module"] == "amp"
+
+
+class _Gathers:
+    def all_gather_object(self, obj):
+        return [("head", "float16"), obj]
 
 
 # ------------------------------------------------------------------ the fused path
@@ -662,29 +703,49 @@ def test_fused_path_snapshots_only_at_a_clean_read_far_enough_apart():
     assert loop.prot.snapshot.step == 3  # exactly 3
     loop.step()
     loop.step()
+    assert loop.prot.pending_reads().tolist() == [
+        1024.0,
+        *(4.0, 1024.0, 0.0),
+        *(5.0, 1024.0, 0.0),
+    ]  # only the steps since the last read
+    loop.prot.sync()
+    assert loop.prot.snapshot.step == 3  # 2 steps since the snapshot
     loop.step()
     loop.step(plant=("head.weight",))
     loop.prot.sync()
     assert loop.prot.snapshot.step == 3  # the last step overflowed
     assert loop.kinds() == ["overflow"]
+    assert loop.prot.events[0]["scale"] == 512.0  # the scale now, after the last step
     assert "decided_at_step" not in loop.prot.events[0]  # decided at its own step
+
+
+def test_fused_path_without_start_snapshots_at_the_first_clean_read():
+    loop = Loop(fused=True, snapshot_every=2)
+    loop.prot.snapshot = None  # as if start() had not been called
+    loop.step()
+    loop.prot.sync()
+    assert loop.prot.snapshot is None  # 1 step: not yet
+    loop.step()
+    loop.prot.sync()
+    assert loop.prot.snapshot.step == 2
 
 
 def test_fused_path_warns_when_the_history_is_shorter_than_the_wait():
     loop = Loop(fused=True, scaler={"history_size": 2}, rollback_after=0)
     loop.step(plant=("head.weight",))
-    for _ in range(3):
-        loop.step()
+    loop.step()
+    loop.step()
+    loop.step(plant=("head.weight",))
     loop.prot.sync()
-    assert [_strip(e) for e in loop.prot.events] == [
-        {
-            "step": 4,
-            "kind": "warning",
-            "message": "the scaler's history holds 2 of the 4 steps since the last read: guard "
-            "decisions for the older ones are lost (raise scaler.history_size above "
-            "trainer.log_every)",
-        }
-    ]
+    assert [_strip(e)["kind"] for e in loop.prot.events] == ["warning", "overflow"]
+    assert _strip(loop.prot.events[0]) == {
+        "step": 4,
+        "kind": "warning",
+        "message": "the scaler's history holds 2 of the 4 steps since the last read: guard "
+        "decisions for the older ones are lost (raise scaler.history_size above "
+        "trainer.log_every)",
+    }
+    assert loop.prot.events[1]["step"] == 4  # the steps it still holds are decided
 
 
 def test_fused_path_forward_overflow_replays_on_the_later_weights():
@@ -740,11 +801,12 @@ def test_switch_precision_keeps_exemptions_counters_and_hooks():
 
 def test_switch_precision_reapplies_configured_fp32_modules_once():
     model = Tiny()
-    prec = make_precision("fp16", fp32_modules=["amp"])
+    prec = make_precision("fp16", fp32_modules=["amp"], device_type="cuda")
     prec.prepare(model)
     prot = Protection(model, torch.optim.SGD(model.parameters(), lr=0.1), prec)
     prot.switch_precision("bf16")
     assert prot.precision.exempted == ["amp"] and prot.precision.fp32_modules == ["amp"]
+    assert prot.precision.device_type == "cuda"
 
 
 def test_device_of_the_protection():
@@ -752,13 +814,14 @@ def test_device_of_the_protection():
     assert loop.prot._device() == torch.device("cpu")  # from the parameters: no scaler state
     loop.step()
     assert loop.prot._device() == torch.device("cpu")  # the scaler's
-    prot = Protection(
-        nn.ReLU(), torch.optim.SGD([torch.zeros(1, requires_grad=True)]), loop.prot.precision
-    )
-    assert prot._device() == torch.device("cpu")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    prot = Protection(nn.ReLU(), opt, make_precision("fp16"))
+    assert prot._device() == torch.device("cpu")  # nothing to go by
     meta = nn.Linear(2, 2, device="meta")
     prot = Protection(meta, torch.optim.SGD(meta.parameters()), make_precision("fp16"))
-    assert prot._device() == torch.device("meta")
+    assert prot._device() == torch.device("meta")  # the parameters'
+    prot.scaler.init_state("cpu")
+    assert prot._device() == torch.device("cpu")  # the scaler's state wins
 
 
 def test_state_dict_is_the_guards_history():
@@ -778,3 +841,104 @@ def test_start_keeps_an_existing_snapshot_and_sets_the_step():
     loop = Loop(snapshot_every=0)
     loop.prot.start(3)
     assert loop.prot.snapshot is None and loop.prot._step == 3
+
+
+# ------------------------------------------------------------------ more edges
+def test_without_start_the_first_snapshot_comes_after_snapshot_every_clean_steps():
+    loop = Loop(snapshot_every=2, start=False)
+    assert loop.prot.snapshot is None and loop.prot._step == 0
+    loop.step()
+    assert loop.prot.snapshot is None
+    loop.step()
+    assert loop.prot.snapshot.step == 2
+
+
+def test_start_defaults_to_step_zero():
+    loop = Loop(start=False)
+    loop.prot.start()
+    assert loop.prot.snapshot.step == 0 and loop.prot._step == 0
+
+
+def test_forward_overflows_at_the_floor_are_not_a_floor_problem():
+    loop = Loop(
+        scaler={"init_scale": 1.0, "min_scale": 1.0},
+        floor_policy="abort",
+        locate_forward=False,
+        rollback_after=0,
+    )
+    loop.model.gain = INF
+    for _ in range(3):
+        loop.step()
+    assert loop.kinds() == ["overflow"] * 3
+    assert [e["overflow"] for e in loop.prot.events] == ["forward"] * 3
+
+
+def test_a_device_without_bf16_falls_back_to_fp32(monkeypatch):
+    from ampctl.train import protection
+
+    seen = []
+
+    def no_bf16(device):
+        seen.append(torch.device(device).type)
+        return False
+
+    monkeypatch.setattr(protection, "bf16_supported", no_bf16)
+    loop = Loop(rollback_after=1, max_rollbacks=0)
+    loop.step(plant=("head.weight",))
+    assert loop.prot.events[-1]["to_precision"] == "fp32"
+    assert seen == ["cpu"]
+
+
+def test_fused_path_without_attribution_says_nothing_about_it():
+    loop = Loop(fused=True, attribution=False)
+    loop.step(plant=("head.weight",))
+    loop.prot.sync()
+    assert _strip(loop.prot.events[0]) == {
+        "step": 1,
+        "kind": "overflow",
+        "message": "gradient overflow, step skipped; scale now 512",
+        "overflow": "gradient",
+        "scale": 512.0,
+    }
+
+
+def test_fused_path_fallback_discards_the_steps_run_after_it():
+    loop = Loop(fused=True, rollback_after=1, max_rollbacks=0, snapshot_every=1)
+    loop.step(plant=("head.weight",))
+    loop.step()
+    loop.step()
+    loop.prot.sync()
+    ev = loop.prot.events[-1]
+    assert (ev["kind"], ev["to_step"], ev["from_step"], ev["discarded_steps"]) == (
+        "fallback",
+        0,
+        1,
+        2,
+    )
+    assert loop.prot.precision.name == "bf16" and loop.progress.step == 0
+
+
+def test_taking_a_snapshot_reads_nothing_on_the_host():
+    from ampctl.hostreads import count_host_reads
+
+    loop = Loop()
+    loop.step()
+    with count_host_reads() as reads:
+        loop.prot.take_snapshot(1)
+    assert reads.total == 0
+    assert loop.prot.snapshot.scale is not loop.prot.scaler.get_scale_tensor()
+    assert loop.prot.snapshot.scale.item() == 1024.0
+
+
+def test_rollback_restores_fp16_pure_masters_that_moved_since_the_snapshot():
+    loop = Loop("fp16-pure", snapshot_every=100, rollback_after=2)
+    masters = [m.detach().clone() for m in loop.prot.precision.master.params]
+    weights = loop.state()["model"]
+    loop.step()
+    loop.step()  # two updates: masters and weights move on
+    assert not _same([m.detach() for m in loop.prot.precision.master.params], masters)
+    loop.step(plant=("head.weight",))
+    loop.step(plant=("head.weight",))
+    assert loop.prot.events[-1]["to_step"] == 0
+    assert _same([m.detach() for m in loop.prot.precision.master.params], masters)
+    assert _same(loop.state()["model"], weights)

@@ -258,8 +258,9 @@ def test_make_precision_refuses_an_unknown_name():
 
 
 def test_precision_policy_is_make_precision():
-    p = PrecisionPolicy(name="bf16", fp32_modules=["a"], device_type="cpu")
-    assert type(p) is BF16Precision and p.fp32_modules == ["a"] and p.device_type == "cpu"
+    p = PrecisionPolicy(name="bf16", fp32_modules=["a"], device_type="cuda")
+    assert type(p) is BF16Precision and p.fp32_modules == ["a"] and p.device_type == "cuda"
+    assert PrecisionPolicy().device_type == "cpu"
     assert type(PrecisionPolicy()) is FP16Precision
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -151,6 +152,8 @@ def test_master_state_round_trip_and_release():
             m.mul_(3.0)
     p.load_master_state(None)
     assert not torch.equal(saved[0], p.master.params[0].detach())
+    with pytest.raises(ValueError):
+        p.load_master_state(saved[:-1])  # from another model: refused
     p.load_master_state(saved)
     assert all(torch.equal(s, m.detach()) for s, m in zip(saved, p.master.params, strict=True))
     with torch.no_grad():
