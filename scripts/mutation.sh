@@ -2,7 +2,7 @@
 # Mutation testing of the protection code with mutmut (issue 21). Not run in CI.
 #
 #   pip install -e ".[test,mutation]"
-#   scripts/mutation.sh                      # every mutant, fresh (about 30 min on 2 idle cores)
+#   scripts/mutation.sh                      # every mutant, fresh (about 8 min on 2 idle cores)
 #   scripts/mutation.sh 'ampctl.amp.guard.*' # only the mutants whose names match
 #   MUTATION_KEEP=1 scripts/mutation.sh      # reuse mutants/ (re-tests changed functions only)
 #   JOBS=4 scripts/mutation.sh               # parallel workers (default 2)
