@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,14 @@ FAST = [
 ]
 
 
+# scripts/mutation.sh sets 1: its workers are forked from the process that ran the tests, and an
+# OpenMP thread pool started before a fork hangs the child at its next parallel region.
+THREADS = int(os.environ.get("AMPCTL_TEST_THREADS", "2"))
+
+
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     yield
 
 

@@ -949,8 +949,8 @@ class LossScaler(torch.amp.GradScaler):
         return [(int(s), float(sc), bool(k)) for s, sc, k in self._history_tensor().tolist()]
 
     def _history_tensor(self) -> torch.Tensor:
-        if self._t is None:
-            return self._init["history"].clone()
+        if self._t is None:  # loaded from a longer ring: the newest history_size, as _lazy_init
+            return self._init["history"][-self._history_size :].clone()
         n = min(self._num_updates, self._history_size)
         idx = [(self._num_updates - n + k) % self._history_size for k in range(n)]
         return self._t["history"][idx].cpu() if idx else torch.zeros(0, 3, dtype=torch.float64)

@@ -51,6 +51,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _remove_quietly(path: Path) -> None:
+    """Remove a partial temp file; a path that cannot even be looked up (its folder is a file)
+    must not hide the error being reported."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
@@ -74,14 +83,14 @@ def save_checkpoint(run: RunLayout, step: int, state: dict[str, Any], keep_last:
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        _remove_quietly(tmp)
         prev = latest_checkpoint(ckpt_dir)
         raise CheckpointWriteError(
             f"could not write the step-{step} checkpoint in {ckpt_dir}: {e.strerror or e}; the "
             f"previous checkpoint {'(none)' if prev is None else prev} is intact"
         ) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_quietly(tmp)
         raise
     for old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
