@@ -48,7 +48,7 @@ import torch
 
 from ampctl.amp import LossScaler
 
-from .run import IntegrationError, ProtectedRun, require
+from .run import IntegrationError, ProtectedRun, require, share_flags
 
 require("accelerate", "accelerate", "ampctl.integrations.accelerate")
 
@@ -91,12 +91,6 @@ class AmpctlAcceleratedOptimizer(AcceleratedOptimizer):
             read = sc.last_step_skipped_host
             return read if read is not None else sc.last_step_skipped
         return self._is_overflow
-
-
-def _reduce_max(flags: torch.Tensor) -> torch.Tensor:
-    out = flags.clone()
-    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-    return out
 
 
 def _attach(opt: Any, scaler: LossScaler, skip_aware_lr: bool) -> None:
@@ -165,14 +159,7 @@ def install_scaler(
             )
         accelerator.native_amp = True
     accelerator.scaler = scaler
-    dist = torch.distributed
-    if (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-        and scaler.reduce_flags is None
-    ):
-        scaler.reduce_flags = _reduce_max  # ranks skip the same steps
+    share_flags(scaler)  # ranks skip the same steps
     for opt in accelerator._optimizers:
         if isinstance(opt, AcceleratedOptimizer):
             _attach(opt, scaler, skip_aware_lr)
@@ -218,6 +205,7 @@ def protected_run(
     kwargs.setdefault("fallback_unavailable", ACCELERATE_AUTOCAST)
     kwargs.setdefault("framework", "accelerate")
     kwargs.setdefault("is_main", accelerator.is_main_process)
+    kwargs.setdefault("config", {"accelerate": {"project_dir": accelerator.project_dir}})
     run = ProtectedRun(
         accelerator.unwrap_model(model),
         optimizer,

@@ -49,7 +49,7 @@ from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.precision import PLUGINS, Precision
 from ampctl.train.protection import ForwardLoss, GuardConfig, TrainAborted
 
-from .run import IntegrationError, ProtectedRun, require
+from .run import IntegrationError, ProtectedRun, require, share_flags
 
 require("lightning", "lightning", "ampctl.integrations.lightning")
 
@@ -87,12 +87,6 @@ def _module_device_type(model: nn.Module) -> str:
     for p in model.parameters():
         return p.device.type
     return "cpu"
-
-
-def _reduce_max(flags: torch.Tensor) -> torch.Tensor:
-    out = flags.clone()
-    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-    return out
 
 
 class AmpctlPrecision(MixedPrecision):
@@ -164,14 +158,7 @@ class AmpctlPrecision(MixedPrecision):
         if not self._device_given:
             self.device = _module_device_type(model)
             self.amp.device_type = self.device
-        dist = torch.distributed
-        if (
-            dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-            and self.scaler.reduce_flags is None
-        ):
-            self.scaler.reduce_flags = _reduce_max  # ranks skip the same steps
+        share_flags(self.scaler)  # ranks skip the same steps
         return super().connect(model, optimizers, lr_schedulers)
 
     def autocast_context_manager(self):  # type: ignore[override]
@@ -366,7 +353,12 @@ class AmpctlCallback(Callback):
             forward=self.forward,
             progress=_Schedulers(trainer),
             framework="lightning",
-            config={"lightning": {"precision_flag": plugin.precision}},
+            config={
+                "lightning": {
+                    "precision_flag": plugin.precision,
+                    "checkpoint_dir": getattr(trainer.checkpoint_callback, "dirpath", None),
+                }
+            },
             fallback_unavailable=None,  # the plugin owns autocast: it follows a fallback
             is_main=trainer.is_global_zero,
             tensorboard=self.tensorboard,

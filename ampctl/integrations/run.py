@@ -67,7 +67,15 @@ from ampctl.train.protection import (
     TrainAborted,
 )
 
-__all__ = ["IntegrationError", "ProtectedRun", "TrainAborted", "require", "inner_optimizer"]
+__all__ = [
+    "IntegrationError",
+    "ProtectedRun",
+    "TrainAborted",
+    "require",
+    "inner_optimizer",
+    "reduce_max",
+    "share_flags",
+]
 
 #: Why a loop with its own autocast cannot fall back to another precision.
 OWN_AUTOCAST = (
@@ -111,9 +119,41 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _rank0() -> bool:
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def reduce_max(flags: torch.Tensor) -> torch.Tensor:
+    """All-reduce MAX of a scaler's overflow flags over the ranks (a collective, no host read):
+    the ``LossScaler.reduce_flags`` that makes every rank skip the same steps."""
+    out = flags.clone()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+    return out
+
+
+def share_flags(scaler: LossScaler) -> None:
+    """Under ``torch.distributed`` with several ranks, make ``scaler``'s skip decisions agree
+    across ranks (a forward overflow is seen by one rank only) unless a hook is set already."""
+    if _world_size() > 1 and scaler.reduce_flags is None:
+        scaler.reduce_flags = reduce_max
+
+
+class _Ranks:
+    """What Protection needs of the process group: the ranks agree on the module a
+    forward-overflow replay located."""
+
+    enabled = True
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * _world_size()
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
 
 def _count_tokens(batch: Any) -> int:
@@ -228,7 +268,9 @@ class ProtectedRun:
             progress=progress,
             forward=forward,
             fallback_unavailable=fallback_unavailable,
+            dist=_Ranks() if _world_size() > 1 else None,
         )
+        share_flags(amp.scaler)
         self.is_main = _rank0() if is_main is None else bool(is_main)
         self._display_arg = display
         self._own_display = False
@@ -265,46 +307,45 @@ class ProtectedRun:
         fp32_modules: Iterable[str],
         model: nn.Module,
     ) -> Precision:
+        """The ampctl precision plugin for the loop, checked before anything is changed."""
         if isinstance(precision, Precision):
             if scaler is not None and scaler is not precision.scaler:
                 raise IntegrationError(
                     "ProtectedRun: scaler= differs from the precision plugin's scaler; pass one "
                     "of them (the plugin owns its scaler)"
                 )
-            amp = precision
-        else:
-            if precision not in LOOP_PRECISIONS:
-                raise IntegrationError(
-                    f"ProtectedRun: precision={precision!r} is not allowed: precision must be one "
-                    f"of {', '.join(LOOP_PRECISIONS)} (what the loop's autocast runs)"
-                    + (
-                        "; fp16-pure and fp8 need ampctl train"
-                        if precision in PRECISIONS or precision == "fp8"
-                        else ""
-                    )
-                )
-            if scaler is None:
-                scaler = LossScaler(enabled=PLUGINS[precision].needs_scaler)
-            amp = make_precision(
-                precision,
-                fp32_modules=list(fp32_modules),
-                device_type=_param_device(model).type,
-                scaler=scaler,
-            )
-            amp.prepare(model)
-        sc = amp.scaler
-        if not isinstance(sc, LossScaler):
+            scaler = precision.scaler
+        elif precision not in LOOP_PRECISIONS:
             raise IntegrationError(
-                f"ProtectedRun: scaler is a {type(sc).__name__}, not an ampctl LossScaler: "
+                f"ProtectedRun: precision={precision!r} is not allowed: precision must be one "
+                f"of {', '.join(LOOP_PRECISIONS)} (what the loop's autocast runs)"
+                + (
+                    "; fp16-pure and fp8 need ampctl train"
+                    if precision in PRECISIONS or precision == "fp8"
+                    else ""
+                )
+            )
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise IntegrationError(
+                f"ProtectedRun: scaler is a {type(scaler).__name__}, not an ampctl LossScaler: "
                 "a GradScaler does not record its skips; use ampctl.amp.LossScaler "
                 "(LossScaler.like_gradscaler(...) behaves as GradScaler bit for bit)"
             )
-        if not sc._check_finite:
+        if scaler is not None and not scaler._check_finite:
             raise IntegrationError(
                 "ProtectedRun: the scaler is a pure pass-through (enabled=False, "
                 "check_finite=False) and records nothing; use LossScaler(enabled=False), which "
                 "still detects and skips non-finite steps"
             )
+        if isinstance(precision, Precision):
+            return precision
+        amp = make_precision(
+            precision,
+            fp32_modules=list(fp32_modules),
+            device_type=_param_device(model).type,
+            scaler=scaler or LossScaler(enabled=PLUGINS[precision].needs_scaler),
+        )
+        amp.prepare(model)
         return amp
 
     # ------------------------------------------------------------------ views
