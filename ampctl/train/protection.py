@@ -172,6 +172,9 @@ class Protection:
             fallback from fp16-pure is turned into an abort with the reason.
         dist: a :class:`~ampctl.train.dist.DistContext` under torchrun (ranks agree on the
             located module); None in a single process.
+        fallback_unavailable: why this loop cannot switch precision (e.g. a framework that owns
+            autocast and the scaler); a fallback decision then aborts with this reason. None:
+            fallbacks are carried out (see ``rebuild_optimizer``).
     """
 
     def __init__(
@@ -186,6 +189,7 @@ class Protection:
         forward: ForwardLoss | None = None,
         rebuild_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         dist: Any = None,
+        fallback_unavailable: str | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -198,6 +202,7 @@ class Protection:
         self.forward = forward or _default_forward
         self.rebuild_optimizer = rebuild_optimizer
         self.dist = dist
+        self.fallback_unavailable = fallback_unavailable
         self.snapshot: _Snapshot | None = None
         self._clean_since_snapshot = 0
         self._pending: list[_Pending] = []
@@ -469,10 +474,11 @@ class Protection:
             self.emit(step, "abort", decision.reason)
             raise TrainAborted(decision.reason)
         if decision.action is Action.FALLBACK and not self._can_switch():
-            reason = (
-                f"{decision.reason}, but this loop cannot rebuild its optimizer for "
-                f"{decision.precision} (pass rebuild_optimizer= to Protection)"
+            why = self.fallback_unavailable or (
+                f"this loop cannot rebuild its optimizer for {decision.precision} (pass "
+                "rebuild_optimizer= to Protection)"
             )
+            reason = f"{decision.reason}, but {why}"
             self.emit(step, "abort", reason)
             raise TrainAborted(reason)
         snap = self.snapshot
@@ -519,6 +525,8 @@ class Protection:
         )
 
     def _can_switch(self) -> bool:
+        if self.fallback_unavailable is not None:
+            return False
         return self.precision.master is None or self.rebuild_optimizer is not None
 
     def take_snapshot(self, step: int) -> None:

@@ -1,0 +1,311 @@
+"""The Hugging Face ``Trainer``: ampctl's LossScaler, overflow guard and run folder in one call::
+
+    trainer = Trainer(model=model, args=TrainingArguments(..., fp16=True), train_dataset=ds)
+    protect_trainer(trainer, run_dir="runs/hf")       # after Trainer(...), before train()
+    trainer.train()                                   # resume: train(resume_from_checkpoint=...)
+
+:func:`protect_trainer` installs a :class:`~ampctl.amp.LossScaler` in the Trainer's Accelerator
+(:func:`ampctl.integrations.accelerate.install_scaler`: before ``train()`` prepares the model, on
+the ``AcceleratedOptimizer`` too, and again whenever the Trainer re-creates its Accelerator) and
+adds :class:`AmpctlTrainerCallback`, which runs a :class:`~ampctl.integrations.ProtectedRun` on the
+model: the overflow event with the parameters whose gradients were non-finite, rollback (weights,
+optimizer state, scale, lr scheduler), skip budget, floor policy, forward-overflow replay and fp32
+promotion, and the run folder (``metrics.jsonl`` with scale, skipped, overflow rate, grad norm /
+max / underflow before clipping, lr, loss; ``events.jsonl``; ``summary.json``; and the live table
+with ``display=``). It installs itself in ``__init__``-time objects only, so call it for the
+resumed Trainer too: ``train(resume_from_checkpoint=...)`` then loads ``scaler.pt`` into the
+LossScaler (transformers' ``_load_scaler`` needs a scaler) and the guard's history from the
+checkpoint's ``ampctl_run.json``; the run folder continues.
+
+fp16 on a CPU: ``TrainingArguments(fp16=True, use_cpu=True)`` alone trains in fp32 with no
+scaler (Accelerate's choice); with ``protect_trainer`` the model really runs fp16 autocast and the
+loss is scaled. The precision is the Trainer's (``fp16`` / ``bf16`` arguments, else fp32).
+
+Skipped steps with the Trainer's default fused AdamW: the skip happens on the device, so the
+Trainer never sees it (``optimizer_step_was_skipped`` is always false and the lr schedule
+advances); here the skip counts, events and rows come from the LossScaler's on-device record, and
+``optimizer_step_was_skipped`` reads the scaler's flag (one host read per step) so the lr
+scheduler does not advance on a skipped step (``skip_aware_lr=False`` turns that read off).
+
+What does not apply: precision fallback (Accelerate fixed the autocast when it prepared the
+model: a fallback decision stops training with the reason); a rollback does not rewind the
+Trainer's ``global_step``, epoch or data (``max_steps`` counts skipped and discarded steps); a
+guard abort stops training at the end of that step (``control.should_training_stop``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ampctl.amp import LossScaler
+from ampctl.train.protection import GuardConfig, TrainAborted
+
+from .run import IntegrationError, ProtectedRun, require
+
+require("transformers", "transformers", "ampctl.integrations.transformers")
+
+from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint  # noqa: E402
+
+from .accelerate import (  # noqa: E402
+    ACCELERATE_AUTOCAST,
+    RUN_STATE_NAME,
+    install_scaler,
+    precision_of,
+)
+
+__all__ = ["AmpctlTrainerCallback", "protect_trainer"]
+
+_MARK = "_ampctl_callback"
+
+
+class _SchedulerProgress:
+    """What a rollback rewinds besides weights, optimizer state and scale: the lr scheduler."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        sch = self.trainer.lr_scheduler
+        return {"scheduler": copy.deepcopy(sch.state_dict()) if sch is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sch = self.trainer.lr_scheduler
+        if sch is not None and state.get("scheduler") is not None:
+            sch.load_state_dict(copy.deepcopy(state["scheduler"]))
+
+
+class AmpctlTrainerCallback(TrainerCallback):
+    """The run folder and the guard for an HF Trainer; made by :func:`protect_trainer` (which
+    also feeds it each micro-batch's loss and inputs)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        run_dir: str | Path,
+        *,
+        guard: GuardConfig | Mapping[str, Any] | None = None,
+        log_every: int | None = None,
+        display: Any = None,
+        fp32_modules: Iterable[str] = (),
+        overflow_window: int = 50,
+        tensorboard: bool = False,
+        skip_aware_lr: bool = True,
+    ) -> None:
+        self.trainer = trainer
+        self.skip_aware_lr = skip_aware_lr
+        self.run_dir = Path(run_dir)
+        self.guard = guard
+        self.log_every = log_every
+        self.display = display
+        self.fp32_modules = list(fp32_modules)
+        self.overflow_window = overflow_window
+        self.tensorboard = tensorboard
+        self.run: ProtectedRun | None = None
+        self.status = "ok"
+        self.resume_from: str | None = None
+        self._clip_wrapped: Any = None
+
+    # ------------------------------------------------------------------ start
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tr = self.trainer
+        acc = tr.accelerator
+        scaler = acc.scaler
+        if not isinstance(scaler, LossScaler):
+            raise IntegrationError(
+                "AmpctlTrainerCallback: the Trainer's Accelerator has no ampctl LossScaler; add "
+                "the callback with protect_trainer(trainer), not callbacks=[...]"
+            )
+        self.status = "ok"
+        self.run = ProtectedRun(
+            tr.model,
+            tr.optimizer,
+            scaler,
+            precision=precision_of(acc),
+            run_dir=self.run_dir,
+            guard=self.guard,
+            log_every=self.log_every or max(int(args.logging_steps), 1),
+            max_steps=state.max_steps if state.max_steps and state.max_steps > 0 else None,
+            overflow_window=self.overflow_window,
+            display=self.display,
+            progress=_SchedulerProgress(tr),
+            fp32_modules=self.fp32_modules,
+            framework="transformers",
+            config={"transformers": {"optim": str(args.optim), "output_dir": args.output_dir}},
+            fallback_unavailable=ACCELERATE_AUTOCAST,
+            is_main=state.is_world_process_zero,
+            tensorboard=self.tensorboard,
+            # the skip-aware lr schedule reads each step's skip anyway: attribute it at once
+            read_skips=self.skip_aware_lr,
+        )
+        saved = self._saved_state(self.resume_from)
+        if saved is not None:
+            self.run.load_state_dict(saved)
+        self.run.start(state.global_step, resumed_from=self.resume_from)
+        self._wrap_clip(acc)
+
+    def _saved_state(self, checkpoint: str | None) -> dict[str, Any] | None:
+        if checkpoint is None:
+            return None
+        path = Path(checkpoint, RUN_STATE_NAME)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _wrap_clip(self, acc: Any) -> None:
+        """Take a log step's gradient statistics before the Trainer clips (its clip unscales
+        first; the statistics work on the scaled gradients)."""
+        if self._clip_wrapped is acc:
+            return
+        original = acc.clip_grad_norm_
+        cb = self
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            if cb.run is not None and cb.run.summary is None:
+                cb.run.before_step(cb.trainer.state.global_step + 1)
+            return original(*args, **kwargs)
+
+        acc.clip_grad_norm_ = clip_grad_norm_
+        self._clip_wrapped = acc
+
+    def _unwrap_clip(self) -> None:
+        acc, self._clip_wrapped = self._clip_wrapped, None
+        if acc is not None:
+            acc.__dict__.pop("clip_grad_norm_", None)
+
+    # ------------------------------------------------------------------ per step
+    def micro_batch(self, loss: Any, inputs: Any) -> None:
+        """One micro-batch's loss (as ``training_step`` returned it) and inputs. No host read."""
+        if self.run is not None and self.run.summary is None:
+            self.run.add_batch(loss, inputs)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.before_step(state.global_step + 1)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is None or self.run.summary is not None:
+            return
+        try:
+            self.run.after_step(step=state.global_step + 1)
+        except TrainAborted:
+            self.status = "aborted"
+            control.should_training_stop = True
+
+    # ------------------------------------------------------------------ checkpoints, end
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is None or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if folder.is_dir():
+            (folder / RUN_STATE_NAME).write_text(json.dumps(self.run.state_dict()) + "\n")
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.finish(self.status)
+
+    def finish(self, status: str) -> None:
+        self._unwrap_clip()
+        if self.run is not None and self.run.summary is None:
+            self.run.finish(status)
+
+
+def protect_trainer(
+    trainer: Trainer,
+    run_dir: str | Path | None = None,
+    *,
+    scaler: LossScaler | None = None,
+    guard: GuardConfig | Mapping[str, Any] | None = None,
+    log_every: int | None = None,
+    display: Any = None,
+    fp32_modules: Iterable[str] = (),
+    skip_aware_lr: bool = True,
+    overflow_window: int = 50,
+    tensorboard: bool = False,
+) -> AmpctlTrainerCallback:
+    """Give ``trainer`` ampctl's LossScaler, guard and run folder (module docstring); returns the
+    callback (its ``run`` is the :class:`~ampctl.integrations.ProtectedRun` once training starts).
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass), before ``train()``.
+        run_dir: the run folder; default ``<output_dir>/ampctl``.
+        scaler: the LossScaler (default: ampctl's defaults with the Trainer's precision).
+        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        log_every: metrics row interval in optimizer steps (default ``logging_steps``).
+        display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
+            ``quiet``) or object for the live table (pass ``disable_tqdm=True`` to the
+            arguments to keep one display).
+        fp32_modules: fnmatch patterns of module names kept in fp32.
+        skip_aware_lr: the lr scheduler does not advance on skipped steps, also with a fused
+            optimizer (one host read per step there).
+        overflow_window: the steps a row's ``overflow_rate`` covers.
+        tensorboard: also write TensorBoard scalars into the run folder.
+    """
+    if not isinstance(trainer, Trainer):
+        raise IntegrationError(
+            f"protect_trainer: trainer is a {type(trainer).__name__}, not a transformers.Trainer"
+        )
+    if getattr(trainer, _MARK, None) is not None:
+        raise IntegrationError("protect_trainer: this Trainer is protected already")
+    template = copy.deepcopy(scaler) if scaler is not None else None
+
+    def install() -> None:
+        sc = copy.deepcopy(template) if template is not None else None
+        install_scaler(trainer.accelerator, sc, skip_aware_lr=skip_aware_lr)
+
+    install()
+    cb = AmpctlTrainerCallback(
+        trainer,
+        run_dir if run_dir is not None else Path(trainer.args.output_dir, "ampctl"),
+        guard=guard,
+        log_every=log_every,
+        display=display,
+        fp32_modules=fp32_modules,
+        overflow_window=overflow_window,
+        tensorboard=tensorboard,
+        skip_aware_lr=skip_aware_lr,
+    )
+    trainer.add_callback(cb)
+    setattr(trainer, _MARK, cb)
+
+    # the Trainer re-creates its Accelerator for some retries (auto_find_batch_size): again
+    create = trainer.create_accelerator_and_postprocess
+
+    def create_accelerator_and_postprocess(*args: Any, **kwargs: Any) -> Any:
+        out = create(*args, **kwargs)
+        install()
+        return out
+
+    trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+
+    # each micro-batch's loss and inputs (for the rows and the forward-overflow replay)
+    step = trainer.training_step
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        loss = step(*args, **kwargs)
+        cb.micro_batch(loss, inputs)
+        return loss
+
+    trainer.training_step = training_step
+
+    # the checkpoint a resume starts from (the guard's history is next to it), and the status
+    train = trainer.train
+
+    def train_(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        ckpt = resume_from_checkpoint
+        if ckpt is True:
+            ckpt = get_last_checkpoint(trainer.args.output_dir)
+        cb.resume_from = str(ckpt) if ckpt else None
+        try:
+            return train(resume_from_checkpoint, *args, **kwargs)
+        except KeyboardInterrupt:
+            cb.finish("interrupted")
+            raise
+        except BaseException:
+            cb.finish("failed")
+            raise
+
+    trainer.train = train_
+    return cb

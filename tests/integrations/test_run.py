@@ -1,0 +1,272 @@
+"""ProtectedRun in a hand-written fp16 loop: planted overflows are skipped, attributed, recorded
+in the run folder, rolled back; forward overflows promote the module; resume continues the run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ampctl.amp import LossScaler
+from ampctl.errors import UsageError
+from ampctl.integrations import IntegrationError, ProtectedRun
+from ampctl.train.protection import TrainAborted
+from tests.conftest import read_jsonl
+from tests.integrations.conftest import TinyNet, batches
+
+
+def _loop(run, model, opt, scaler, steps, *, plant=(), data=None, watch=None, accum=1):
+    """The user's loop: autocast fp16, scale/backward, step, update, then ``run.after_step``.
+    ``plant``: steps whose head.weight gradient gets an inf; ``watch``: step -> weights before
+    and after."""
+    data = data or batches(max(steps) * accum + 1)
+    for step in steps:
+        opt.zero_grad()
+        for i in range(accum):
+            batch = data[(step - 1) * accum + i]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch)["loss"] / accum
+            scaler.scale(loss).backward()
+            if i < accum - 1:
+                run.after_step(loss, batch)
+        if step in plant:
+            model.head.weight.grad[0, 0] = float("inf")
+        before = copy.deepcopy(model.state_dict())
+        scaler.step(opt)
+        scaler.update()
+        if watch is not None:
+            watch[step] = (before, copy.deepcopy(model.state_dict()))
+        run.after_step(loss, batch)
+
+
+def _new(tmp_path, name="run", scaler=None, opt_kw=None, **kw):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **(opt_kw or {}))
+    scaler = scaler or LossScaler(init_scale=1024.0, growth_interval=1000)
+    kw.setdefault("log_every", 2)
+    run = ProtectedRun(model, opt, scaler, run_dir=tmp_path / name, **kw)
+    return model, opt, scaler, run
+
+
+def test_planted_overflow_is_skipped_attributed_and_recorded(tmp_path):
+    model, opt, scaler, run = _new(tmp_path, max_steps=6)
+    watch: dict = {}
+    with run:
+        _loop(run, model, opt, scaler, range(1, 7), plant={3}, watch=watch)
+    before, after = watch[3]
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the skipped step changed nothing
+    assert not all(torch.equal(watch[4][0][k], watch[4][1][k]) for k in before)  # a clean one did
+    assert set(model.seen) == {torch.float16}
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [(e["kind"], e["step"], e["scale"], e["params"]) for e in events] == [
+        ("overflow", 3, 512.0, ["head.weight"])
+    ]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["skipped"], r["scale"]) for r in rows] == [
+        (2, 0, 1024.0),
+        (4, 1, 512.0),
+        (6, 1, 512.0),
+    ]
+    assert rows[1]["overflow_rate"] == pytest.approx(1 / 4)
+    assert all(r["grad_norm"] > 0 and r["precision"] == "fp16" for r in rows)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["skipped"] == 1 and summary["steps"] == 6
+    assert summary["events"] == {"overflow": 1}
+
+
+def test_three_overflows_in_a_row_roll_back_to_the_snapshot(tmp_path):
+    model, opt, scaler, run = _new(tmp_path, max_steps=16, guard={"snapshot_every": 5})
+    watch: dict = {}
+    with run:
+        _loop(run, model, opt, scaler, range(1, 17), plant={11, 12, 13}, watch=watch)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    rollback = [e for e in events if e["kind"] == "rollback"]
+    assert [(e["step"], e["from_step"]) for e in rollback] == [(10, 13)]
+    # the scale: 1024 -> 512 -> 256 -> 128 by the three overflows, then x0.25 by the rollback
+    assert "scale 128 -> 32" in rollback[0]["message"]
+    snap = watch[10][1]  # the weights after step 10 (the snapshot)
+    # step 14 starts from the snapshot's weights: its "before" equals them
+    assert all(torch.equal(watch[14][0][k], snap[k]) for k in snap)
+    assert scaler.skipped_steps == 3
+
+
+def test_fused_optimizer_decides_at_the_log_step_or_at_once_with_read_skips(tmp_path):
+    for read, expect in ((False, None), (True, ["head.weight"])):
+        model, opt, scaler, run = _new(
+            tmp_path, f"fused-{read}", opt_kw={"fused": True}, max_steps=6, read_skips=read
+        )
+        watch: dict = {}
+        with run:
+            _loop(run, model, opt, scaler, range(1, 7), plant={3}, watch=watch)
+        before, after = watch[3]
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        (ev,) = read_jsonl(tmp_path / f"fused-{read}" / "events.jsonl")
+        assert (ev["kind"], ev["step"], ev["scale"], ev["params"]) == ("overflow", 3, 512.0, expect)
+        assert ev.get("decided_at_step") == (None if read else 4)
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
+    """after_step after every micro-batch: a call with no new scaler update only adds the
+    micro-batch; rows count optimizer steps and their loss is the steps' summed contributions."""
+    model, opt, scaler, run = _new(tmp_path, max_steps=4)
+    data, step_losses = batches(8), []
+    with run:
+        for step in range(4):
+            opt.zero_grad()
+            total = 0.0
+            for i in range(2):
+                batch = data[2 * step + i]
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(**batch)["loss"] / 2
+                scaler.scale(loss).backward()
+                total += loss.item()
+                if i == 1:
+                    scaler.step(opt)
+                    scaler.update()
+                assert run.after_step(loss, batch) is None or (step, i) in ((1, 1), (3, 1))
+            step_losses.append(total)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4] and run.step == 4 and scaler.num_steps == 4
+    assert rows[0]["loss"] == pytest.approx(sum(step_losses[:2]) / 2, rel=1e-5)
+    assert rows[1]["loss"] == pytest.approx(sum(step_losses[2:]) / 2, rel=1e-5)
+
+
+def test_resume_continues_the_run_folder_and_the_guard(tmp_path):
+    model, opt, scaler, run = _new(tmp_path, max_steps=8)
+    data = batches(9)
+    run.start()
+    _loop(run, model, opt, scaler, range(1, 5), plant={3}, data=data)
+    ckpt = {
+        "model": copy.deepcopy(model.state_dict()),
+        "opt": copy.deepcopy(opt.state_dict()),
+        "scaler": scaler.state_dict(),
+        "run": json.loads(json.dumps(run.state_dict())),
+    }
+    _loop(run, model, opt, scaler, range(5, 7), data=data)  # logged, then "crashed"
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [2, 4, 6]
+
+    model2, opt2, scaler2, run2 = _new(tmp_path, max_steps=8)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    scaler2.load_state_dict(ckpt["scaler"])
+    run2.load_state_dict(ckpt["run"], resumed_from="ckpt-4")
+    assert list(run2.protection.guard.window) == [False, False, True, False]
+    with run2:
+        _loop(run2, model2, opt2, scaler2, range(5, 9), plant={6}, data=data)
+    folder = tmp_path / "run"
+    assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == [2, 4, 6, 8]
+    assert [(e["kind"], e["step"]) for e in read_jsonl(folder / "events.jsonl")] == [
+        ("overflow", 3),
+        ("resume", 4),
+        ("overflow", 6),
+    ]
+    assert json.loads((folder / "summary.json").read_text())["skipped"] == 2
+
+
+def test_forward_overflow_moves_the_module_to_fp32(tmp_path):
+    class Boost(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * 100.0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.boost = Boost()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            h = self.boost(x)  # fp16 under autocast: (x * 1000) * 100 overflows 65504
+            return {"loss": (self.head(h * 0.001) - y).pow(2).mean()}
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = LossScaler(init_scale=1024.0)
+    data = batches(5)
+    data[2]["x"] = data[2]["x"] * 1000.0
+    with ProtectedRun(model, opt, scaler, run_dir=tmp_path / "fwd", log_every=5) as run:
+        for batch in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch)["loss"]
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            run.after_step(loss, batch)
+    kinds = [(e["kind"], e["step"], e.get("module")) for e in run.events]
+    assert ("promotion", 3, "boost") in kinds
+    assert scaler.forward_overflows == 1 and run.precision.exempted == ["boost"]
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert model.boost(data[2]["x"]).dtype == torch.float32  # now runs in fp32
+        assert torch.isfinite(model(**data[2])["loss"])
+    assert run.summary["promoted_modules"] == ["boost"]
+
+
+def test_scale_floor_cannot_fall_back_in_a_foreign_loop_so_it_aborts(tmp_path):
+    scaler = LossScaler(init_scale=1.0, min_scale=1.0)
+    model, opt, scaler, run = _new(tmp_path, scaler=scaler, max_steps=6)
+    with pytest.raises(TrainAborted, match="cannot switch its precision"):
+        with run:
+            _loop(run, model, opt, scaler, range(1, 7), plant={2, 3})
+    assert run.summary["status"] == "aborted"
+    (abort,) = [e for e in run.events if e["kind"] == "abort"]
+    assert abort["step"] == 3 and "loss scale at its minimum" in abort["message"]
+
+
+def test_bad_input_is_one_clear_usage_error(tmp_path):
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        ({"scaler": torch.amp.GradScaler("cpu")}, "not an ampctl LossScaler"),
+        ({"precision": "fp16-pure"}, "fp16-pure and fp8 need ampctl train"),
+        ({"scaler": LossScaler(enabled=False, check_finite=False)}, "pure pass-through"),
+        ({"guard": {"rollback_afterr": 2}}, "unknown fields ['rollback_afterr']"),
+        ({"guard": {"skip_budget": 2}}, "guard.skip_budget=2 is not allowed"),
+        ({"log_every": 0}, "log_every=0 is not allowed"),
+    ]
+    for kw, words in cases:
+        with pytest.raises(UsageError, match=None) as e:
+            ProtectedRun(model, opt, run_dir=tmp_path / "x", **kw)
+        assert words in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(IntegrationError, match="holds a run already"):
+        ProtectedRun(model, opt, run_dir=tmp_path / "old").start()
+    assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_core_ampctl_imports_no_framework_and_a_missing_one_says_how_to_install():
+    code = (
+        "import sys\n"
+        "import ampctl, ampctl.cli, ampctl.integrations, ampctl.train.trainer\n"
+        "bad = [m for m in ('lightning', 'accelerate', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "sys.modules['lightning'] = None\n"
+        "try:\n"
+        "    import ampctl.integrations.lightning\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "ampctl.integrations.lightning needs the 'lightning' package, which is not installed: "
+        'pip install "ampctl[lightning]"'
+    )
