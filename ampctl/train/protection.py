@@ -4,8 +4,9 @@ The guard's rules (:func:`ampctl.amp.guard.decide`) say *what* to do when skippi
 is not enough; this object *does* it, and owns everything that takes: the in-memory snapshot of
 the last good state, restoring it (rollback), attributing an overflow to the parameters whose
 gradients were non-finite, locating the module whose output overflowed in the forward pass and
-promoting it to fp32, switching the run to the next precision of the fallback chain, and the
-events that record each of these.
+promoting it to fp32, demoting the fp8 layers whose casts go wrong (fp8 runs: the plugin's
+log-step probe measures, :class:`~ampctl.amp.fp8.Fp8Health` decides at each log read), switching
+the run to the next precision of the fallback chain, and the events that record each of these.
 
 It takes the model, the optimizer and the precision plugin (which owns the loss scaler), not a
 run config, so it works in a hand-written loop too::
@@ -34,7 +35,8 @@ this into its one read; :meth:`sync` reads on its own.
 
 Host reads: none on a clean step. A skipped step on the standard path reads once more (scale,
 kind of overflow and the names of non-finite gradients, in one transfer); a rollback reads the
-snapshot's scale; a forward-overflow replay reads its traces once.
+snapshot's scale; a forward-overflow replay reads its traces once. The fp8 demotion rules take
+host numbers that rode on the loop's log read (:meth:`Protection.after_log`): no read of their own.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 from ampctl.amp.checks import is_finite, is_int, need
+from ampctl.amp.fp8 import DemoteRules, Fp8Health
 from ampctl.amp.guard import Action, Decision, GuardRules, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
@@ -76,9 +79,26 @@ class GuardConfig(GuardRules):
     promote: bool = True
     rollback_backoff: float = 0.25
     snapshot_every: int = 10
+    fp8_demote: bool = True
+    fp8_sat_threshold: float = 0.10
+    fp8_under_threshold: float = 0.01
+    fp8_patience: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for f, allowed in (
+            ("fp8_sat_threshold", "a fraction in [0, 1]"),
+            ("fp8_under_threshold", "a fraction in [0, 1]"),
+        ):
+            v = getattr(self, f)
+            need(is_finite(v) and 0 <= v <= 1, self, f, v, allowed)
+        need(
+            is_int(self.fp8_patience) and self.fp8_patience >= 1,
+            self,
+            "fp8_patience",
+            self.fp8_patience,
+            "an integer >= 1 (log steps in a row above a threshold)",
+        )
         need(
             is_int(self.attribution_limit) and self.attribution_limit >= 1,
             self,
@@ -112,6 +132,14 @@ class GuardConfig(GuardRules):
     @property
     def rules(self) -> GuardRules:
         return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
+
+    @property
+    def fp8_rules(self) -> DemoteRules:
+        return DemoteRules(
+            sat_threshold=self.fp8_sat_threshold,
+            under_threshold=self.fp8_under_threshold,
+            patience=self.fp8_patience,
+        )
 
 
 class Progress(Protocol):
@@ -202,6 +230,7 @@ class Protection:
         self._clean_since_snapshot = 0
         self._pending: list[_Pending] = []
         self._step = 0  # the last step seen
+        self.fp8_health = Fp8Health(self.config.fp8_rules)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -333,6 +362,36 @@ class Protection:
         if t is not None:
             self.on_read(t.tolist())
 
+    # ------------------------------------------------------------------ fp8 layers
+    def after_log(self, step: int) -> None:
+        """After the loop's log read: apply the fp8 demotion rules to the per-layer cast health
+        the precision's probe sampled on this log step (if any), and demote the layers they
+        name. No host read (the figures came with the log read)."""
+        for probe in self.precision.probes():
+            take = getattr(probe, "take_sample", None)
+            sample = take() if take is not None else None
+            if sample is None or not self.enabled or not self.config.fp8_demote:
+                continue
+            names, rows = sample
+            for name, reason in self.fp8_health.observe(names, rows).items():
+                self.demote_layer(step, name, reason)
+
+    def demote_layer(self, step: int, name: str, reason: str) -> bool:
+        """Demote the low-precision layer ``name`` (fp8 -> bf16, same Parameters and optimizer
+        state) and record a ``demotion`` event. Returns False when it is not such a layer."""
+        if not self.precision.demote(self.model, name, reason):
+            return False
+        self.fp8_health.forget(name)
+        self.emit(
+            step,
+            "demotion",
+            f"{name}: fp8 -> bf16 ({reason})",
+            module=name,
+            reason=reason,
+            to_precision="bf16",
+        )
+        return True
+
     # ------------------------------------------------------------------ deciding
     def _attribute(self) -> tuple[list[str] | None, int, float]:
         """Names of the non-finite gradients (up to ``attribution_limit``; None when attribution
@@ -443,6 +502,8 @@ class Protection:
                 module=name,
             )
             return
+        for layer in self.precision.demotable(self.model, name):
+            self.demote_layer(step, layer, f"inside '{name}', promoted to fp32{late}")
         if self.precision.exempt(self.model, name):
             self.emit(
                 step,
@@ -572,6 +633,7 @@ class Protection:
             scaler=LossScaler(
                 enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
             ),
+            options=old.options,
         )
         new.prepare(self.model)
         for n in exempted:
@@ -587,6 +649,7 @@ class Protection:
             self.optimizer = self.rebuild_optimizer(params)
             self.optimizer.load_state_dict(opt_state)
         self.precision = new
+        self.fp8_health = Fp8Health(self.config.fp8_rules)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

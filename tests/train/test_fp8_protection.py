@@ -1,0 +1,191 @@
+"""precision=fp8 in the protected loop (CPU, real torchao, tiny model): it trains, its cast health
+rides on the log read only, the guard demotes the fp8 layer a storm comes from (saved and
+restored on resume), a promotion to fp32 demotes the fp8 layers inside first, and a storm that
+demotion cannot cure ends in the fallback fp8 -> bf16 with the parameters and optimizer state
+kept."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchao.float8")
+
+from ampctl.amp import fp8  # noqa: E402
+from ampctl.hostreads import count_host_reads  # noqa: E402
+from ampctl.train.checkpoint import load_checkpoint  # noqa: E402
+from ampctl.train.run import new_run_dir  # noqa: E402
+from ampctl.train.trainer import Trainer  # noqa: E402
+from tests.conftest import read_jsonl  # noqa: E402
+
+FP8 = "precision=fp8"
+LAYER = "bert.encoder.layer.0.intermediate.dense"  # an fp8 layer of the tiny test model
+
+
+def _trainer(fast_cfg, name, *extra):
+    cfg = fast_cfg(FP8, *extra)
+    return Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, name))
+
+
+def _finite(model: nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _events(res, kind=None):
+    path = res.run_dir / "events.jsonl"
+    evs = read_jsonl(path) if path.exists() else []
+    return [e for e in evs if kind is None or e["kind"] == kind]
+
+
+def test_fp8_run_trains_and_logs_the_worst_layer(fast_cfg):
+    tr = _trainer(fast_cfg, "train", "trainer.max_steps=24", "trainer.log_every=4")
+    res = tr.run()
+    assert res.status == "ok"
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # 4.17 -> 3.70 measured
+    layers = fp8.converted_layers(tr.model)
+    assert len(layers) == 13 and LAYER in layers  # 2 x (q, k, v, attn out, ffn in, out), head
+    for r in rows:
+        assert r["precision"] == "fp8" and r["fp8_layers"] == 13
+        assert r["fp8_sat_layer"] in layers and r["fp8_under_layer"] in layers
+        assert 0 < r["fp8_sat"] < 0.1 and 0 <= r["fp8_under"] < 0.01  # healthy casts
+        assert r["fp8_nonfinite_layers"] == 0
+    s = res.summary
+    assert s["fp8_recipe"] == "tensorwise" and s["fp8_layers"] == layers
+    assert s["fp8_excluded"] == {"cls.predictions.decoder": "excluded by pattern '*decoder'"}
+    assert s["fp8_demoted"] == {} and not _events(res, "demotion")
+
+
+@pytest.mark.parametrize(
+    "fused, expected",
+    [(False, [1, 1, 1, 1, 2, 1, 1, 1]), (True, [0, 0, 0, 0, 1, 0, 0, 0])],
+)
+def test_host_reads_per_step_under_fp8(fast_cfg, fused, expected):
+    """The probe installs nothing on other steps and its figures ride on the log read: a log step
+    reads once more, the other steps read what bf16 reads (the skip flag; nothing when fused)."""
+    tr = _trainer(
+        fast_cfg,
+        f"reads{fused}",
+        f"optim.fused={str(fused).lower()}",
+        "trainer.max_steps=20",
+        "trainer.log_every=5",
+        "trainer.ckpt_every=100",
+    )
+    tr.protection.start(tr.step)
+    per_step = []
+    for _ in range(8):
+        log = tr._is_due(tr.cfg.trainer.log_every)
+        with count_host_reads() as reads:
+            out = tr.train_step(log)
+            tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
+            if log:
+                row = tr.log_step(out)
+        per_step.append(reads.total)
+    assert per_step == expected
+    assert row["fp8_layers"] == 13  # the log step did sample the fp8 layers
+    assert all(not m._forward_hooks for m in tr.model.modules())  # and left no hook behind
+
+
+def _grad_storm(tr: Trainer, layer: str, from_step: int) -> None:
+    """Make ``layer``'s output gradient inf (NaN where it was 0) on the steps after
+    ``from_step``, for as long as that layer object is in the model (fp8): the storm comes from
+    this layer's gradient cast, and leaving fp8 cures it."""
+
+    def hook(module, args, out):
+        if tr.step >= from_step and out.requires_grad:
+            out.register_hook(lambda g: g * math.inf)
+
+    tr.model.get_submodule(layer).register_forward_hook(hook)
+
+
+def test_a_gradient_storm_in_one_fp8_layer_ends_with_its_demotion(fast_cfg, tmp_path):
+    tr = _trainer(
+        fast_cfg,
+        "storm",
+        "trainer.max_steps=16",
+        "trainer.log_every=4",
+        "trainer.ckpt_every=12",
+        "guard.rollback_after=4",
+    )
+    _grad_storm(tr, LAYER, from_step=5)  # steps 6, 7, 8 overflow; 8 is a log step
+    res = tr.run()
+    assert res.status == "ok" and _finite(tr.model)
+    kinds = [(e["kind"], e["step"]) for e in _events(res) if e["kind"] != "checkpoint"]
+    assert kinds == [("overflow", 6), ("overflow", 7), ("overflow", 8), ("demotion", 8)]
+    dem = _events(res, "demotion")[0]
+    assert dem["module"] == LAYER and dem["to_precision"] == "bf16"
+    assert "non-finite output gradient" in dem["reason"]
+    assert type(tr.model.get_submodule(LAYER)) is nn.Linear  # bf16 under the autocast
+    assert res.summary["skipped"] == 3  # the steps after the demotion are clean
+    assert res.summary["fp8_demoted"] == {LAYER: dem["reason"]}
+    assert LAYER not in res.summary["fp8_layers"] and len(res.summary["fp8_layers"]) == 12
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    # step 8: the ffn input layer and every layer its NaN gradient reaches (attn out, v, k, q)
+    assert [r["fp8_nonfinite_layers"] for r in rows] == [0, 5, 0, 0]
+    assert rows[1]["fp8_layers"] == 13 and rows[2]["fp8_layers"] == 12
+
+    # the checkpoint keeps the demotion, and a resume puts it back before loading the weights
+    ck = load_checkpoint(res.run_dir / "checkpoints" / "step_00000012.pt")
+    assert ck["precision"]["fp8"]["demoted"] == {LAYER: dem["reason"]}
+    again = Trainer(tr.cfg, res.run_dir, resume=ck)
+    assert type(again.model.get_submodule(LAYER)) is nn.Linear
+    assert again.precision.demoted == {LAYER: dem["reason"]}
+    assert fp8.converted_layers(again.model) == res.summary["fp8_layers"]
+    for name, value in again.model.state_dict().items():  # the step-12 weights, by key
+        assert torch.equal(value, ck["model"][name]), name
+    assert again.optimizer.state_dict()["state"]  # the optimizer state came back too
+
+
+def test_a_forward_overflow_in_an_fp8_layer_demotes_it_before_promoting_it(fast_cfg):
+    tr = _trainer(fast_cfg, "promote", "trainer.max_steps=10", "trainer.log_every=5")
+
+    def inf_out(module, args, out):
+        return torch.full_like(out, math.inf) if tr.step >= 5 else out
+
+    # from step 6 the layer's output is inf for as long as it is this fp8 layer object
+    tr.model.get_submodule(LAYER).register_forward_hook(inf_out)
+    res = tr.run()
+    assert res.status == "ok" and _finite(tr.model)
+    evs = [(e["kind"], e["step"], e.get("module")) for e in _events(res)]
+    assert evs[:3] == [("overflow", 6, None), ("demotion", 6, LAYER), ("promotion", 6, LAYER)]
+    assert _events(res, "overflow")[0]["overflow"] == "forward"
+    assert "promoted to fp32" in _events(res, "demotion")[0]["reason"]
+    assert res.summary["promoted_modules"] == [LAYER]
+    assert res.summary["skipped"] == 1
+    assert type(tr.model.get_submodule(LAYER)) is nn.Linear
+
+
+def test_a_storm_that_demotion_does_not_cure_falls_back_to_bf16_keeping_the_state(fast_cfg):
+    """Inf in a gradient after the backward (not in a cast) while the run is fp8: rollback, then
+    the fallback fp8 -> bf16 (the default chain's first precision safer than fp8), which demotes
+    every layer and keeps the parameters and the optimizer state."""
+    tr = _trainer(
+        fast_cfg,
+        "fallback",
+        "trainer.max_steps=14",
+        "guard.rollback_after=2",
+        "guard.max_rollbacks=1",
+        "guard.snapshot_every=2",
+    )
+    params_before = [id(p) for p in tr.model.parameters()]
+
+    def fault(t, step, phase):
+        if t.precision.name == "fp8" and step >= 6:
+            next(iter(t.params)).grad.view(-1)[0] = math.inf
+
+    tr.fault = fault
+    res = tr.run()
+    assert res.status == "ok" and _finite(tr.model)
+    fb = _events(res, "fallback")
+    assert [(e["from_precision"], e["to_precision"]) for e in fb] == [("fp8", "bf16")]
+    assert len(_events(res, "rollback")) == 1
+    assert res.summary["precision"] == "bf16" and fp8.converted_layers(tr.model) == []
+    assert [id(p) for p in tr.model.parameters()] == params_before
+    state = tr.optimizer.state_dict()["state"]
+    assert len(state) == len(params_before)  # AdamW moments carried over the switch
+    assert all(torch.isfinite(s["exp_avg"]).all() for s in state.values())
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert "fp8_layers" not in rows[-1] and rows[-1]["precision"] == "bf16"
