@@ -239,16 +239,13 @@ def test_steps_below_two_is_refused_by_the_cli():
 def test_fp8_overhead_is_measured_against_a_bare_torchao_loop(fast_cfg):
     pytest.importorskip("torchao.float8")
     from ampctl.amp import fp8
-
-    cfg = fast_cfg("precision=fp8")
-    res = bench(cfg, 2, sections=["overhead", "host_reads"])
-    ov = res["overhead"]
-    assert ov["baseline"].startswith("torchao float8 loop: convert_to_float8_training")
-    assert "Trainer.run (fp8" in ov["protected"] and _positive_finite(ov["ratio"])
-    assert (res["host_reads"]["standard"], res["host_reads"]["fused"]) == (1, 0)
     from ampctl.commands.bench import _BareLoop
     from ampctl.train.trainer import Trainer
 
+    cfg = fast_cfg("precision=fp8")
+    ov = bench(cfg, 2, sections=["overhead"])["overhead"]
+    assert ov["baseline"].startswith("torchao float8 loop: convert_to_float8_training")
+    assert ov["protected"].startswith("Trainer.run (fp8") and _positive_finite(ov["ratio"])
     tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "bare"))
     bare = _BareLoop(cfg, tr)
     assert fp8.converted_layers(bare.model) == fp8.converted_layers(tr.model) != []
@@ -257,8 +254,14 @@ def test_fp8_overhead_is_measured_against_a_bare_torchao_loop(fast_cfg):
 
 def test_fp8_row_without_torchao_says_how_to_install_it(fast_cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    res = measure_precisions(fast_cfg(), 2, precisions=("bf16", "fp8"))
-    rows = res["rows"]
-    assert list(rows) == ["bf16", "fp8"]
-    assert rows["fp8"]["error"] == 'fp8 needs torchao: pip install "ampctl[fp8]"'
-    assert rows["fp8"]["step_s"] is None and rows["bf16"]["error"] is None
+    rows = measure_precisions(fast_cfg(), 2, precisions=("fp8",))["rows"]
+    assert rows == {
+        "fp8": {
+            "step_s": None,
+            "tokens_per_s": None,
+            "speed_vs_fp32": None,
+            "speed_vs_bf16": None,
+            "peak_mem_mib": None,
+            "error": 'fp8 needs torchao: pip install "ampctl[fp8]"',
+        }
+    }

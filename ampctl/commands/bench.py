@@ -689,7 +689,8 @@ def measure_precisions(
             methods = set()
             if progress is not None:
                 progress(f"precision: peak memory, {len(order)} fresh processes")
-            for p, (mib, how, err) in measure_cpu_memory(cfg, order, _MEMORY_STEPS).items():
+            measured = measure_cpu_memory(cfg, order, _MEMORY_STEPS) if order else {}
+            for p, (mib, how, err) in measured.items():
                 mem[p] = mib
                 if err is not None:
                     errors[p] = err
