@@ -147,6 +147,19 @@ def test_train_without_torchao_is_one_line_exit_2_and_leaves_no_run(tmp_path, mo
     assert not (runs / "x").exists()
 
 
+def test_fp8_with_fsdp_is_refused_before_anything_is_built(fast_cfg, tmp_path):
+    from ampctl.errors import UsageError
+    from ampctl.train.dist import DistContext
+    from ampctl.train.trainer import Trainer
+
+    ctx = DistContext(rank=0, world_size=2, strategy="fsdp")
+    with pytest.raises(UsageError) as e:
+        Trainer(fast_cfg("precision=fp8"), tmp_path, dist_ctx=ctx)
+    assert str(e.value).startswith(
+        "precision=fp8 cannot be combined with dist.strategy=fsdp yet"
+    ) and str(e.value).endswith("use dist.strategy=ddp")
+
+
 def test_worst_layer_names_the_layers_with_the_largest_figures():
     row = [0.0] * len(fp8.FIELDS)
     a = dict(zip(fp8.FIELDS, row, strict=True)) | {"in_amax": 1.0, "w_sat": 0.2, "go_under": 0.01}

@@ -503,7 +503,7 @@ class Protection:
             )
             return
         for layer in self.precision.demotable(self.model, name):
-            self.demote_layer(step, layer, f"inside '{name}', promoted to fp32{late}")
+            self.demote_layer(step, layer, f"inside '{name}', promoted to fp32")
         if self.precision.exempt(self.model, name):
             self.emit(
                 step,

@@ -253,6 +253,11 @@ class Trainer:
                 "precision=fp16-pure cannot be combined with dist.strategy=fsdp: use precision=fp16 "
                 "(FSDP keeps fp32 shards; autocast computes in fp16)"
             )
+        if self.ctx.enabled and self.ctx.strategy == "fsdp" and self.cfg.precision.name == "fp8":
+            raise BuildError(
+                "precision=fp8 cannot be combined with dist.strategy=fsdp yet: demoting an fp8 "
+                "layer swaps a module whose weight FSDP has sharded; use dist.strategy=ddp"
+            )
         if self.cfg.optim.fused and self.cfg.trainer.log_every > self.cfg.scaler.history_size:
             raise BuildError(
                 f"trainer.log_every={self.cfg.trainer.log_every} is above "
