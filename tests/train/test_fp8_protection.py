@@ -110,13 +110,13 @@ def test_host_reads_per_step_under_fp8(fast_cfg, monkeypatch, fused, recipe, exp
 
 
 def _grad_storm(tr: Trainer, layer: str, from_step: int) -> None:
-    """Make ``layer``'s output gradient inf (NaN where it was 0) on the steps after
+    """Make ``layer``'s output gradient +inf (no NaN: its amax is inf) on the steps after
     ``from_step``, for as long as that layer object is in the model (fp8): the storm comes from
     this layer's gradient cast, and leaving fp8 cures it."""
 
     def hook(module, args, out):
         if tr.step >= from_step and out.requires_grad:
-            out.register_hook(lambda g: g * math.inf)
+            out.register_hook(lambda g: g + math.inf)
 
     tr.model.get_submodule(layer).register_forward_hook(hook)
 
