@@ -766,7 +766,7 @@ def bench(
     }
     if "overhead" in sections:
         say(
-            f"overhead: protected loop vs bare GradScaler loop, {n['overhead_warmup']} warm-up + {n['overhead_pairs']} pairs"
+            f"overhead: protected loop vs bare {'torchao float8' if cfg.precision.name == 'fp8' else 'GradScaler'} loop, {n['overhead_warmup']} warm-up + {n['overhead_pairs']} pairs"
         )
         out["overhead"] = measure_overhead(cfg, n["overhead_pairs"], n["overhead_warmup"], say)
         out["meta"]["params"] = out["overhead"].pop("params")
