@@ -419,8 +419,8 @@ def _status_kib(key: str) -> int | None:
 
 def _warm_imports() -> None:
     """Load what torch imports lazily on a first optimizer step and a first autocast pass (torch
-    imports its compiler stack, ~80 MB of modules, when the first optimizer is built), so that
-    the memory measured afterwards is the run's own."""
+    imports its compiler stack, ~80 MB of modules, when the first optimizer is built), and on a
+    first torchao float8 step, so that the memory measured afterwards is the run's own."""
     import ampctl.train.models  # noqa: F401  (the packaged model, imported by _target_)
 
     w = torch.nn.Parameter(torch.zeros(2, 2))
@@ -431,10 +431,14 @@ def _warm_imports() -> None:
         loss.backward()
     opt.step()
     del w, opt, loss
-    try:  # torchao (fp8), when installed: its import is not the fp8 row's training memory
-        from ampctl.amp.fp8 import require_torchao
+    try:  # torchao (fp8), when installed: its first float8 step imports ~440 more modules
+        from ampctl.amp import fp8  # (~26 MB, measured), which are not the fp8 row's memory
 
-        require_torchao()
+        tiny = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        fp8.convert(tiny, exclude=[])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tiny(torch.ones(2, 16)).float().sum().backward()
+        del tiny
     except UsageError:
         pass
     gc.collect()
