@@ -4,8 +4,10 @@ The guard's rules (:func:`ampctl.amp.guard.decide`) say *what* to do when skippi
 is not enough; this object *does* it, and owns everything that takes: the in-memory snapshot of
 the last good state, restoring it (rollback), attributing an overflow to the parameters whose
 gradients were non-finite, locating the module whose output overflowed in the forward pass and
-promoting it to fp32, demoting the fp8 layers whose casts go wrong (fp8 runs: the plugin's
-log-step probe measures, :class:`~ampctl.amp.fp8.Fp8Health` decides at each log read), switching
+promoting it to fp32, demoting the fp8 layers whose casts go wrong (fp8 runs: a gradient
+overflow is replayed with the cast probe and the layer whose cast went non-finite first is
+demoted; at each log read :class:`~ampctl.amp.fp8.Fp8Health` applies the saturation and underflow
+rules to the plugin's log-step probe), switching
 the run to the next precision of the fallback chain, and the events that record each of these.
 
 It takes the model, the optimizer and the precision plugin (which owns the loss scaler), not a
@@ -35,8 +37,9 @@ this into its one read; :meth:`sync` reads on its own.
 
 Host reads: none on a clean step. A skipped step on the standard path reads once more (scale,
 kind of overflow and the names of non-finite gradients, in one transfer); a rollback reads the
-snapshot's scale; a forward-overflow replay reads its traces once. The fp8 demotion rules take
-host numbers that rode on the loop's log read (:meth:`Protection.after_log`): no read of their own.
+snapshot's scale; a forward-overflow replay reads its traces once, and so does a gradient-overflow
+replay of an fp8 run (its per-layer cast figures). The log-step fp8 rules take host numbers that
+rode on the loop's log read (:meth:`Protection.after_log`): no read of their own.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch
 from torch import nn
 
 from ampctl.amp.checks import is_finite, is_int, need
-from ampctl.amp.fp8 import DemoteRules, Fp8Health
+from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
 from ampctl.amp.guard import Action, Decision, GuardRules, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
@@ -376,6 +379,47 @@ class Protection:
             for name, reason in self.fp8_health.observe(names, rows).items():
                 self.demote_layer(step, name, reason)
 
+    def _replay_casts(
+        self, step: int, batches: list[dict[str, torch.Tensor]], late_by: int | None
+    ) -> None:
+        """A gradient overflow in a run with fp8 layers: replay the step's forward and backward
+        with the cast probe (gradients discarded, RNG state kept) and demote the layer whose
+        cast went non-finite first. Under torchrun the ranks demote the union of what each
+        found. **Syncs** once (the replayed figures); nothing happens without fp8 layers."""
+        if not (self.enabled and self.config.fp8_demote and self.precision.demotable(self.model)):
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+
+        def run() -> None:
+            for batch in batches:
+                with self.precision.autocast():
+                    loss = self.forward(self.model, batch)
+                torch.autograd.grad(loss, params, allow_unused=True)
+
+        dev = self._device()
+        cuda = []
+        if dev.type == "cuda":
+            cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=cuda):
+            got = self.precision.replay_casts(self.model, run)
+        found: dict[str, str] = {}
+        if got is not None:
+            names, rows = got
+            history = {
+                n: [LayerSample.from_row(r)] for n, r in zip(names, rows.tolist(), strict=True)
+            }
+            # one replayed sample: with patience 2 only the non-finite rules (1, 2) can fire
+            found = decide_demotions(history, DemoteRules(patience=2))
+        if self.dist is not None and getattr(self.dist, "enabled", False):
+            merged: dict[str, str] = {}
+            for part in self.dist.all_gather_object(found):
+                for n, why in (part or {}).items():
+                    merged.setdefault(n, why)
+            found = merged
+        late = f" (replayed on the weights of step {step + late_by})" if late_by else ""
+        for name, reason in found.items():
+            self.demote_layer(step, name, f"{reason} on the replay of the skipped step{late}")
+
     def demote_layer(self, step: int, name: str, reason: str) -> bool:
         """Demote the low-precision layer ``name`` (fp8 -> bf16, same Parameters and optimizer
         state) and record a ``demotion`` event. Returns False when it is not such a layer."""
@@ -431,6 +475,8 @@ class Protection:
             self._overflow_event(step, forward, scale_after, names, late_by)
             if forward and self.config.locate_forward and batches:
                 self._locate_and_promote(step, batches, late_by)
+            elif not forward and batches:
+                self._replay_casts(step, batches, late_by)
         else:
             self._clean_since_snapshot += 1
         decision = self.guard.observe(

@@ -1,8 +1,8 @@
 """precision=fp8 in the protected loop (CPU, real torchao, tiny model): it trains, its cast health
-rides on the log read only, the guard demotes the fp8 layer a storm comes from (saved and
-restored on resume), a promotion to fp32 demotes the fp8 layers inside first, and a storm that
-demotion cannot cure ends in the fallback fp8 -> bf16 with the parameters and optimizer state
-kept."""
+rides on the log read only, the guard demotes the fp8 layer a gradient storm comes from (on the
+replay of the skipped step) and a layer that saturates at every log step (saved and restored on
+resume), a promotion to fp32 demotes the fp8 layers inside first, and a storm that demotion
+cannot cure ends in the fallback fp8 -> bf16 with the parameters and optimizer state kept."""
 
 from __future__ import annotations
 
@@ -121,40 +121,60 @@ def _grad_storm(tr: Trainer, layer: str, from_step: int) -> None:
     tr.model.get_submodule(layer).register_forward_hook(hook)
 
 
-def test_a_gradient_storm_in_one_fp8_layer_ends_with_its_demotion(fast_cfg, tmp_path):
-    tr = _trainer(
-        fast_cfg,
-        "storm",
-        "trainer.max_steps=16",
-        "trainer.log_every=4",
-        "trainer.ckpt_every=12",
-        "guard.rollback_after=4",
-    )
-    _grad_storm(tr, LAYER, from_step=5)  # steps 6, 7, 8 overflow; 8 is a log step
+def test_a_gradient_storm_in_one_fp8_layer_is_demoted_on_the_first_skipped_step(fast_cfg):
+    """The skipped step is replayed with the cast probe: the layer whose gradient cast went
+    non-finite first (the last in call order) is demoted, and the storm ends at once."""
+    tr = _trainer(fast_cfg, "storm", "trainer.max_steps=10", "trainer.log_every=5")
+    _grad_storm(tr, LAYER, from_step=5)  # from step 6, while LAYER is this fp8 layer object
     res = tr.run()
     assert res.status == "ok" and _finite(tr.model)
     kinds = [(e["kind"], e["step"]) for e in _events(res) if e["kind"] != "checkpoint"]
-    assert kinds == [("overflow", 6), ("overflow", 7), ("overflow", 8), ("demotion", 8)]
+    assert kinds == [("overflow", 6), ("demotion", 6)]
     dem = _events(res, "demotion")[0]
     assert dem["module"] == LAYER and dem["to_precision"] == "bf16"
-    assert "non-finite output gradient" in dem["reason"]
+    assert dem["reason"] == (
+        "non-finite output gradient (amax inf) on the replay of the skipped step"
+    )
     assert type(tr.model.get_submodule(LAYER)) is nn.Linear  # bf16 under the autocast
-    assert res.summary["skipped"] == 3  # the steps after the demotion are clean
-    assert res.summary["fp8_demoted"] == {LAYER: dem["reason"]}
-    assert LAYER not in res.summary["fp8_layers"] and len(res.summary["fp8_layers"]) == 6
+    assert res.summary["skipped"] == 1 and res.summary["fp8_demoted"] == {LAYER: dem["reason"]}
     rows = read_jsonl(res.run_dir / "metrics.jsonl")
-    # step 8: the ffn input layer and every layer its NaN gradient reaches (attn out, v, k, q)
-    assert [r["fp8_nonfinite_layers"] for r in rows] == [0, 5, 0, 0]
-    assert rows[1]["fp8_layers"] == 7 and rows[2]["fp8_layers"] == 6
+    assert [(r["fp8_layers"], r["fp8_nonfinite_layers"]) for r in rows] == [(7, 0), (6, 0)]
 
-    # the checkpoint keeps the demotion, and a resume puts it back before loading the weights
-    ck = load_checkpoint(res.run_dir / "checkpoints" / "step_00000012.pt")
-    assert ck["precision"]["fp8"]["demoted"] == {LAYER: dem["reason"]}
+
+def test_persistent_saturation_is_demoted_at_log_steps_saved_and_restored(fast_cfg):
+    """A layer whose input is binary (every value at +-amax, so every value lands on e4m3's
+    max) saturates at every log step: after guard.fp8_patience log steps it is demoted; the
+    checkpoint keeps the demotion and a resume puts it back before loading the weights."""
+    tr = _trainer(
+        fast_cfg,
+        "sat",
+        "trainer.max_steps=12",
+        "trainer.log_every=2",
+        "trainer.ckpt_every=8",
+        "guard.fp8_patience=3",
+    )
+
+    def binary(module, args):
+        return (torch.where(args[0] >= 0, 2.0, -2.0).to(args[0].dtype),)
+
+    tr.model.get_submodule(LAYER).register_forward_pre_hook(binary)
+    res = tr.run()
+    assert res.status == "ok" and res.summary["skipped"] == 0
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert [(r["fp8_sat"], r["fp8_sat_layer"]) for r in rows[:3]] == [(1.0, LAYER)] * 3
+    assert all(r["fp8_sat"] < 0.1 for r in rows[3:])  # demoted at the third log step
+    dem = _events(res, "demotion")
+    assert [(e["step"], e["module"]) for e in dem] == [(6, LAYER)]
+    assert dem[0]["reason"] == "saturation above 10.0% in 3 samples in a row (last 100.0%)"
+
+    ck = load_checkpoint(res.run_dir / "checkpoints" / "step_00000008.pt")
+    assert ck["precision"]["fp8"]["demoted"] == {LAYER: dem[0]["reason"]}
     again = Trainer(tr.cfg, res.run_dir, resume=ck)
     assert type(again.model.get_submodule(LAYER)) is nn.Linear
-    assert again.precision.demoted == {LAYER: dem["reason"]}
+    assert again.precision.demoted == {LAYER: dem[0]["reason"]}
     assert fp8.converted_layers(again.model) == res.summary["fp8_layers"]
-    for name, value in again.model.state_dict().items():  # the step-12 weights, by key
+    assert len(res.summary["fp8_layers"]) == 6 and LAYER not in res.summary["fp8_layers"]
+    for name, value in again.model.state_dict().items():  # the step-8 weights, by key
         assert torch.equal(value, ck["model"][name]), name
     assert again.optimizer.state_dict()["state"]  # the optimizer state came back too
 

@@ -210,6 +210,12 @@ class Precision:
         a layer was demoted (never here)."""
         return False
 
+    def replay_casts(self, model: nn.Module, run: Any) -> tuple[list[str], torch.Tensor] | None:
+        """Call ``run()`` (a forward and backward of ``model``) with the per-layer cast probe of
+        the low-precision layers open: their names and a device tensor of rows (see
+        :mod:`ampctl.amp.fp8`), or None without such layers (here). No host read."""
+        return None
+
     def restore(self, model: nn.Module, state: dict[str, Any]) -> None:
         """After :meth:`prepare` on resume: redo what :meth:`state_dict` recorded beyond the
         exemptions (the caller re-exempts those). Pass-through."""

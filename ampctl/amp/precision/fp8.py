@@ -8,6 +8,9 @@ probe: on log steps only, the per-layer cast health of :func:`ampctl.amp.fp8.pro
 the loop's one read, goes to metrics.jsonl as the worst layer's figures, and is kept
 (:meth:`Fp8CastProbe.take_sample`) for the guard's demotion rules
 (:class:`ampctl.amp.fp8.Fp8Health`, applied by :class:`ampctl.train.protection.Protection`).
+On a step skipped for non-finite gradients the guard replays the step through
+:meth:`FP8Precision.replay_casts` (the same probe, once) to find the layer whose cast went
+non-finite first, and demotes it at once.
 
 A demoted layer (:meth:`FP8Precision.demote`) is a plain ``nn.Linear`` again, holding the same
 Parameters, and computes in bf16 under the autocast. Exempting a module to fp32 demotes the fp8
@@ -141,6 +144,13 @@ class FP8Precision(Precision):
         fp8.demote(model, name)
         self.demoted[name] = reason
         return True
+
+    def replay_casts(self, model: nn.Module, run: Any) -> tuple[list[str], torch.Tensor] | None:
+        if not self.demotable(model):
+            return None
+        with fp8.probe(model) as p:
+            run()
+        return list(p.names), p.rows()
 
     def probes(self) -> list[Any]:
         return [self._probe]
