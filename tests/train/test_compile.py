@@ -95,12 +95,17 @@ def test_unknown_backend_is_one_usage_line(fast_cfg):
 
 
 @pytest.mark.slow
-def test_inductor_matches_eager_within_tolerance(fast_cfg):
-    """inductor fuses and reorders float ops: measured |compiled - eager| / eager loss <= TODO
-    over the 3 logged losses of 12 steps (bf16, fp32 master weights); bound TODO."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_inductor_matches_eager_within_tolerance(fast_cfg, precision):
+    """inductor generates its own kernels (fused, reordered float ops). Measured on this CPU,
+    largest relative difference of the 3 logged losses of 12 steps: 0 for fp32 (the same losses to
+    the last bit) and 9.5e-5 for bf16 (cold compile, ~1.5 min for both under load). Bounds, about
+    10x above: 1e-5 and 1e-3."""
     torch._dynamo.reset()
-    _, eager = _run(fast_cfg, "eager", "precision=fp32")
-    _, compiled = _run(fast_cfg, "inductor", "precision=fp32", "trainer.compile=true")
+    _, eager = _run(fast_cfg, "eager", f"precision={precision}")
+    frames = _compiled_frames()
+    tr, compiled = _run(fast_cfg, "inductor", f"precision={precision}", "trainer.compile=true")
+    assert tr.cfg.trainer.compile_backend == "inductor" and _compiled_frames() > frames
     rel = max(abs(c - e) / abs(e) for c, e in zip(compiled, eager, strict=True))
-    print(f"inductor vs eager: max relative loss difference {rel:.2e}")
-    assert rel < 1e-3
+    print(f"\ninductor vs eager ({precision}): max relative loss difference {rel:.2e}")
+    assert rel < (1e-5 if precision == "fp32" else 1e-3)
