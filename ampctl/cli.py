@@ -29,7 +29,8 @@ app = typer.Typer(
 
 OVERRIDES_HELP = (
     "Hydra overrides: key=value, +new.key=value, ~key; conf=NAME picks a preset from conf/ "
-    "(config, bert_base, bert_large); groups: model=, data=, optim=, precision=, scaler=, guard=."
+    "(config, bert_base, bert_large, gpt2_tiny, gpt2_small, llama_tiny, llama_1b); groups: "
+    "model=, data=, optim=, precision=, scaler=, guard=."
 )
 
 _DEBUG = {"on": False}
@@ -140,8 +141,25 @@ def sweep_scale(
         typer.Option("--steps", help="Steps per trial (default: trainer.max_steps)."),
     ] = None,
     jobs: Annotated[
-        int, typer.Option("--jobs", "-j", help="Trials run as parallel processes.")
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Trials in flight at once (default: 1 with --launcher local, capped at the "
+            "cores; all of a rung with ray/slurm, where the cluster queues them).",
+            show_default=False,
+        ),
+    ] = None,
+    halving: Annotated[
+        int | None,
+        typer.Option(
+            "--halving",
+            metavar="ETA",
+            help="Successive halving: every trial runs steps/ETA^k first; the best 1/ETA continue "
+            "from their checkpoints, rung by rung, to the full --steps.",
+            show_default=False,
+        ),
+    ] = None,
     baseline: Annotated[
         bool,
         typer.Option("--baseline/--no-baseline", help="Also run an fp32 (or bf16) baseline trial."),
@@ -150,11 +168,57 @@ def sweep_scale(
         str | None,
         typer.Option(
             "--name",
-            help="Sweep folder under trainer.runs_dir; re-running it skips finished trials.",
+            help="Sweep folder under trainer.runs_dir; re-running it keeps finished trials and "
+            "continues interrupted ones.",
         ),
     ] = None,
     config_dir: Annotated[
         Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
+    ] = None,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            "--launcher",
+            help="Where trials run: local (child processes), ray (Ray tasks), slurm (SLURM jobs "
+            "via submitit). ray and slurm need the sweep folder on a filesystem the nodes share.",
+        ),
+    ] = "local",
+    address: Annotated[
+        str | None,
+        typer.Option(
+            "--address", help="ray: join this Ray cluster (default: start a local Ray here)."
+        ),
+    ] = None,
+    cpus_per_trial: Annotated[
+        int | None,
+        typer.Option(
+            "--cpus-per-trial",
+            help="CPUs (and threads) per trial (default: ray/slurm 1; local: the cores shared "
+            "out between --jobs).",
+            show_default=False,
+        ),
+    ] = None,
+    gpus_per_trial: Annotated[
+        float | None,
+        typer.Option("--gpus-per-trial", help="ray/slurm: GPUs per trial.", show_default=False),
+    ] = None,
+    partition: Annotated[
+        str | None, typer.Option("--partition", help="slurm: the partition.")
+    ] = None,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time", help="slurm: time limit per trial (minutes, HH:MM:SS or D-HH:MM:SS)."
+        ),
+    ] = None,
+    slurm_param: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--slurm-param",
+            metavar="KEY=VALUE",
+            help="slurm: an extra sbatch parameter, e.g. --slurm-param account=proj (repeatable).",
+            show_default=False,
+        ),
     ] = None,
     plain: Annotated[
         bool, typer.Option("--plain", help="Plain lines instead of the live table.")
@@ -165,10 +229,11 @@ def sweep_scale(
     Every trial trains with the same seed and data order in runs/<sweep>/<trial>/. Results go to
     results.csv / results.json; the recommendation is printed as overrides ready to paste.
     """
-    from ampctl.sweep import run_sweep
+    from ampctl.commands.sweep import LauncherOptions, run_sweep
 
     _at_least("--steps", steps, 1)
     _at_least("--jobs", jobs, 1)
+    _at_least("--halving", halving, 2)
 
     try:
         code = run_sweep(
@@ -179,6 +244,16 @@ def sweep_scale(
             name=name,
             config_dir=config_dir,
             mode="plain" if plain else "auto",
+            halving=halving,
+            launcher=LauncherOptions(
+                launcher=launcher,
+                address=address,
+                cpus_per_trial=cpus_per_trial,
+                gpus_per_trial=gpus_per_trial,
+                partition=partition,
+                time=time_limit,
+                slurm_params=tuple(slurm_param or ()),
+            ),
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -190,7 +265,10 @@ def diagnose(
     path: Annotated[
         Path,
         typer.Argument(
-            help="A checkpoint file, or a run folder (latest checkpoint + metrics + events).",
+            help="A checkpoint file or folder: an ampctl run folder or step_*.pt, an HF Trainer "
+            "checkpoint-N/ or output_dir, an Accelerate save_state folder, a Lightning .ckpt, a "
+            "torch.distributed.checkpoint or DeepSpeed folder, a .safetensors or .pt/.pth/.bin "
+            "file.",
             show_default=False,
         ),
     ],
@@ -205,22 +283,61 @@ def diagnose(
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="Force a reader instead of detecting it: ampctl, hf-trainer, accelerate, "
+            "lightning, dcp, deepspeed, safetensors, state-dict.",
+        ),
+    ] = None,
+    trust_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-code",
+            help="Allow the replay to import the model a checkpoint's config names although it "
+            "does not ship with ampctl (a checkpoint is data: off by default).",
+        ),
+    ] = False,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="A text file to replay instead of synthetic tokens (Hugging Face checkpoints; "
+            "needs the tokenizer saved beside the checkpoint).",
+        ),
+    ] = None,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print the report as JSON (schema in README).")
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the report as JSON; the schema is documented in "
+            "ampctl/commands/diagnose/report.py (python -m pydoc ampctl.commands.diagnose.report).",
+        ),
     ] = False,
 ) -> None:
     """Explain a NaN run: bad tensors, first overflowing module, what to change.
 
     Exit code 0 when healthy, 1 when problems were found, 2 for bad input.
-    Checkpoints are loaded with weights_only=True: a checkpoint never runs code.
+
+    Files are read as data (weights_only=True, safetensors); pickled objects are refused.
+
+    Nothing a checkpoint's config names is imported without --trust-code.
     """
-    from ampctl.diagnose import run_diagnose
+    from ampctl.commands.diagnose import run_diagnose
 
     _at_least("--batches", batches, 1)
 
     try:
         code = run_diagnose(
-            path=path, batches=batches, precision=precision, device=device, as_json=as_json
+            path=path,
+            batches=batches,
+            precision=precision,
+            device=device,
+            as_json=as_json,
+            fmt=fmt,
+            trust_code=trust_code,
+            data=data,
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -284,6 +401,72 @@ def plot(
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
+
+
+tokenizer_app = typer.Typer(
+    help="Tokenizers for data=hf: train one on your own corpus.", no_args_is_help=True
+)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="The corpus, as data.path takes it: text/json/parquet file, folder, glob, or a "
+            "save_to_disk folder.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Folder to write tokenizer.json into (new).")
+    ],
+    vocab_size: Annotated[
+        int, typer.Option("--vocab-size", help="Tokens, specials included (data.vocab_size).")
+    ] = 8192,
+    min_frequency: Annotated[
+        int, typer.Option("--min-frequency", help="Least count of a pair to merge.")
+    ] = 2,
+    text_field: Annotated[
+        str, typer.Option("--text-field", help="Column of json/parquet/arrow rows.")
+    ] = "text",
+    fmt: Annotated[
+        str, typer.Option("--format", help="auto, text, json, parquet or arrow.")
+    ] = "auto",
+) -> None:
+    """Train a byte-level BPE tokenizer (the tokenizers library) on a local corpus, offline.
+
+    Writes OUT/tokenizer.json and OUT/tokenizer_config.json; use them with
+    data=hf data.tokenizer=OUT data.vocab_size=VOCAB_SIZE.
+    """
+    from ampctl.tokenizer import train_tokenizer
+
+    try:
+        res = train_tokenizer(
+            path,
+            out,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            text_field=text_field,
+            format=fmt,
+        )
+    except _input_errors() as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    typer.echo(
+        f"trained a byte-level BPE tokenizer: {res.vocab_size} tokens from {res.documents} "
+        f"documents ({res.characters / 1e6:.2f}M characters) in {res.seconds:.1f} s -> "
+        f"{res.out / 'tokenizer.json'}"
+    )
+    import shlex
+
+    extra = (f" data.format={fmt}" if fmt != "auto" else "") + (
+        f" {shlex.quote(f'data.text_field={text_field}')}" if text_field != "text" else ""
+    )
+    typer.echo(
+        f"use it: ampctl train conf=gpt2_tiny data=hf {shlex.quote(f'data.path={path}')}{extra} "
+        f"{shlex.quote(f'data.tokenizer={res.out}')} data.vocab_size={res.vocab_size}"
+    )
 
 
 def main() -> None:

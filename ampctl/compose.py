@@ -15,9 +15,17 @@ from typing import Any
 
 from ampctl.errors import ConfigError, first_line
 
-__all__ = ["OverrideError", "parse_overrides", "compose_preset", "OVERRIDE_FORMS"]
+__all__ = [
+    "OverrideError",
+    "parse_overrides",
+    "expand_sweeps",
+    "compose_preset",
+    "OVERRIDE_FORMS",
+    "SWEEP_FORMS",
+]
 
 OVERRIDE_FORMS = "use key=value, +key=value or ~key (a list as key=[a,b])"
+SWEEP_FORMS = "use key=value, key=a,b,c or key=range(start,stop,step)"
 
 
 class OverrideError(ConfigError):
@@ -40,6 +48,36 @@ def parse_overrides(tokens: list[str], *, forms: str = OVERRIDE_FORMS) -> list[A
             ) from None
         if not out[-1].key_or_group:
             raise OverrideError(f"cannot parse override {tok!r}: no key before '='; {forms}")
+    return out
+
+
+def expand_sweeps(
+    tokens: list[str], *, forms: str = SWEEP_FORMS
+) -> list[tuple[str, list[str] | None]]:
+    """One ``(token, None)`` per plain override and one ``(key, [value, ...])`` per sweep
+    (``key=a,b,c``, ``key=range(0,10,2)``), expanded as Hydra's BasicSweeper does. A token that
+    does not parse, a sweep kind that cannot be listed (``interval``, ``glob``) and an empty sweep
+    are named in an :class:`OverrideError`."""
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+
+    out: list[tuple[str, list[str] | None]] = []
+    for tok, o in zip(tokens, parse_overrides(tokens, forms=forms), strict=True):
+        if not o.is_sweep_override():
+            out.append((tok, None))
+            continue
+        if not o.is_discrete_sweep() or o.value_type is ValueType.GLOB_CHOICE_SWEEP:
+            raise OverrideError(
+                f"{tok}: this kind of sweep is not supported; list the values (key=a,b,c) "
+                "or use range(start,stop,step)"
+            )
+        try:
+            values = list(o.sweep_string_iterator())
+        except HydraException as e:
+            raise OverrideError(f"{tok}: {first_line(e)}") from None
+        if not values:
+            raise OverrideError(f"{tok}: the sweep has no values; give at least one")
+        out.append((o.get_key_element(), values))
     return out
 
 

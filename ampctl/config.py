@@ -14,7 +14,6 @@ things they build (``ScalerConfig`` <-> ``LossScaler``), and validate in ``__pos
 from __future__ import annotations
 
 import difflib
-import math
 import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -23,11 +22,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ampctl.amp.checks import FieldError
+from ampctl.amp.checks import FieldError, need, show
 from ampctl.amp.precision import PrecisionConfig
+from ampctl.amp.scaler import ScalerConfig
 from ampctl.compose import OVERRIDE_FORMS, parse_overrides
 from ampctl.errors import ConfigError, UsageError, first_line
 from ampctl.train.builders import OptimConfig
+from ampctl.train.data import DataConfig
 from ampctl.train.dist import DistConfig
 from ampctl.train.logger import LoggingConfig
 from ampctl.train.protection import GuardConfig
@@ -57,121 +58,10 @@ def packaged_conf_dir() -> Path:
 
 
 # ---------------------------------------------------------------------------- schema
-def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={_show(value)} is not allowed: {key} must be {allowed}")
-
-
-def _show(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    kind: str = "synthetic"
-    vocab_size: int = 1024
-    seq_len: int = 64
-    batch_size: int = 16
-    mask_prob: float = 0.15
-    branching: int = 4
-    path: str | None = None
-
-    def __post_init__(self) -> None:
-        _need(
-            self.kind in ("synthetic", "text"),
-            "data.kind",
-            self.kind,
-            "one of synthetic, text (select with data=synthetic or data=text)",
-        )
-        _need(self.vocab_size >= 8, "data.vocab_size", self.vocab_size, "an integer >= 8")
-        _need(self.seq_len >= 4, "data.seq_len", self.seq_len, "an integer >= 4")
-        _need(self.batch_size >= 1, "data.batch_size", self.batch_size, "an integer >= 1")
-        _need(
-            _finite(self.mask_prob) and 0 < self.mask_prob < 1,
-            "data.mask_prob",
-            self.mask_prob,
-            "in (0, 1)",
-        )
-        _need(self.branching >= 1, "data.branching", self.branching, "an integer >= 1")
-        if self.kind == "text":
-            if not self.path:
-                raise ConfigError(
-                    "data.path is missing: data=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files)"
-                )
-            _need(
-                self.vocab_size == 260,
-                "data.vocab_size",
-                self.vocab_size,
-                "260 with data=text (byte-level tokenizer)",
-            )
-
-
-@dataclass(kw_only=True)
-class ScalerConfig:
-    """Arguments of :class:`ampctl.amp.LossScaler`."""
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-    history_size: int = 1024
-
-    def __post_init__(self) -> None:
-        _need(
-            _finite(self.init_scale) and self.init_scale > 0,
-            "scaler.init_scale",
-            self.init_scale,
-            "a number > 0",
-        )
-        _need(
-            _finite(self.growth_factor) and self.growth_factor > 1,
-            "scaler.growth_factor",
-            self.growth_factor,
-            "a number > 1",
-        )
-        _need(
-            _finite(self.backoff_factor) and 0 < self.backoff_factor < 1,
-            "scaler.backoff_factor",
-            self.backoff_factor,
-            "in (0, 1)",
-        )
-        _need(
-            self.growth_interval >= 1,
-            "scaler.growth_interval",
-            self.growth_interval,
-            "an integer >= 1",
-        )
-        _need(self.hysteresis >= 1, "scaler.hysteresis", self.hysteresis, "an integer >= 1")
-        _need(
-            _finite(self.min_scale) and self.min_scale > 0,
-            "scaler.min_scale",
-            self.min_scale,
-            "a number > 0",
-        )
-        _need(
-            _finite(self.max_scale) and self.max_scale > 0,
-            "scaler.max_scale",
-            self.max_scale,
-            "a number > 0",
-        )
-        _need(
-            self.min_scale <= self.max_scale,
-            "scaler.min_scale",
-            self.min_scale,
-            f"<= scaler.max_scale ({self.max_scale})",
-        )
-        _need(self.history_size >= 1, "scaler.history_size", self.history_size, "an integer >= 1")
-
-
 @dataclass(kw_only=True)
 class RunConfig:
+    """A whole run: the groups, each owned and validated by its component."""
+
     name: str | None = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: dict[str, Any] = field(default_factory=dict)
@@ -185,9 +75,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         target = self.model.get("_target_") if isinstance(self.model, dict) else None
-        _need(
+        need(
             isinstance(target, str) and bool(target),
-            "model._target_",
+            "model",
+            "_target_",
             target,
             "the import path of a torch.nn.Module class or factory, e.g. ampctl.train.models.BertForMaskedLM",
         )
@@ -315,8 +206,11 @@ def _allowed_keys(prefix: str) -> list[str]:
 
 
 def _group_of(owner: str) -> str:
-    """The config group (``guard``, ``trainer`` ...) whose dataclass is named ``owner``."""
+    """The config group (``guard``, ``trainer`` ...) whose dataclass is named ``owner`` (or the
+    group ``owner`` itself, e.g. ``model``)."""
     for f in fields(RunConfig):
+        if f.name == owner:
+            return owner
         default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
         if default is not None and type(default).__name__ == owner:
             return f.name
@@ -331,7 +225,7 @@ def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:
         for key in ("trainer", "data", "optim", "precision", "scaler", "guard", "logging", "dist"):
             if key in raw_cfg and not isinstance(raw_cfg[key], DictConfig | dict):
                 raise ConfigError(
-                    f"{key}: expected a group of keys, got {_show(OmegaConf.to_container(raw_cfg)[key])}"
+                    f"{key}: expected a group of keys, got {show(OmegaConf.to_container(raw_cfg)[key])}"
                 )
         merged = OmegaConf.merge(schema, raw_cfg)
         OmegaConf.resolve(merged)

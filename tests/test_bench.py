@@ -217,7 +217,7 @@ def test_bad_steps_and_sections_are_usage_errors(fast_cfg):
     "args, fragment",
     [
         (["foo=1"], "unknown key 'foo'"),
-        (["scaler.init_scale=0"], "scaler.init_scale must be a number > 0"),
+        (["scaler.init_scale=0"], "scaler.init_scale must be a finite number > 0"),
         (["conf=nope"], "conf=nope: no such preset"),
     ],
 )

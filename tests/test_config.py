@@ -15,17 +15,51 @@ GROUP_OPTIONS = sorted(
 )
 
 
+def _yaml(path: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if k == "defaults":
+            continue
+        key = f"{prefix}{k}"
+        out.update(_leaves(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_composes(preset):
+    """Each preset composes, and every plain value it sets itself reaches the validated config."""
     cfg = load_config([f"conf={preset}"])
     assert isinstance(cfg, RunConfig) and cfg.model["_target_"]
+    flat = _leaves(cfg.to_dict())
+    for key, value in _leaves(_yaml(CONF / f"{preset}.yaml")).items():
+        if isinstance(value, str) and "${" in value:
+            continue
+        assert flat[key] == value, (preset, key)
 
 
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)
 def test_every_group_option_composes(group, option, tmp_path):
-    extra = [f"data.path={tmp_path}"] if (group, option) == ("data", "text") else []
+    """Each group option composes and its values land under the group's key."""
+    extra = {
+        ("data", "text"): [f"data.path={tmp_path}"],
+        ("data", "hf"): [f"data.path={tmp_path}", f"data.tokenizer={tmp_path}"],
+    }.get((group, option), [])
     cfg = load_config([f"{group}={option}", *extra])
     assert isinstance(cfg, RunConfig)
+    flat = _leaves(cfg.to_dict())
+    preset_sets = _leaves(_yaml(CONF / "config.yaml"))  # the default preset wins over its groups
+    for key, value in _leaves(_yaml(CONF / group / f"{option}.yaml"), f"{group}.").items():
+        if isinstance(value, str) and ("${" in value or value == "???") or key in preset_sets:
+            continue  # interpolations resolve to other keys; ??? must be given (data.path)
+        if key in {e.split("=", 1)[0] for e in extra}:
+            continue
+        assert flat[key] == value, (group, option, key)
 
 
 def test_seed_settings_of_bert_large():

@@ -368,3 +368,41 @@ def test_build_data(corpus: Path) -> None:
         build_data("text", path=str(corpus), seq_len=8, batch_size=2, branching=4)
     with pytest.raises(DataError, match=r"data.kind 'synthetic' needs vocab_size"):
         build_data("synthetic", seq_len=8, batch_size=2)
+
+
+# ---------------------------------------------------------------------- causal
+
+
+def test_causal_batches_are_the_unmasked_sequences(make_source: Callable[..., MLMSource]) -> None:
+    mlm, causal = make_source(), make_source(objective="causal")
+    for i in range(3):
+        m, c = mlm.batch_at(i), causal.batch_at(i)
+        assert torch.equal(c["input_ids"], original_tokens(m))  # same tokens, not masked
+        assert torch.equal(c["labels"], c["input_ids"])  # the model shifts them
+        assert torch.equal(c["attention_mask"], m["attention_mask"])
+        assert (c["input_ids"][:, 0] == CLS_ID).all()  # CLS serves as BOS
+    state = causal.state_dict()
+    causal.next_batch()
+    assert causal.state_dict() == {"position": state["position"] + 1}
+
+
+def test_bad_objective_is_named(make_source: Callable[..., MLMSource]) -> None:
+    with pytest.raises(DataError, match=r"data.objective \('span'\) must be one of mlm, causal"):
+        make_source(objective="span")
+
+
+def test_masking_with_a_tokenizer_s_own_special_ids() -> None:
+    """data=hf: specials anywhere in the vocabulary, replacements drawn from given ids."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 10, (64, 32), generator=g)
+    special = torch.zeros(10, dtype=torch.bool)
+    special[[0, 9]] = True
+    input_ids, labels = apply_mlm_masking(
+        tokens, 10, 0.5, g, mask_id=9, special=special, ordinary_ids=torch.tensor([5])
+    )
+    selected = labels != IGNORE_INDEX
+    assert not torch.isin(labels[selected], torch.tensor([0, 9])).any()
+    assert selected.sum() > 500 and (tokens[~selected] == 0).any()
+    changed = selected & (input_ids != tokens)
+    assert set(input_ids[changed].unique().tolist()) <= {5, 9}
+    assert (input_ids[changed] == 5).any() and (input_ids[changed] == 9).float().mean() > 0.8

@@ -101,16 +101,21 @@ def test_compact_number_formats():
     assert fmt_duration(3723.4) == "1:02:03"
 
 
-@pytest.mark.parametrize(
-    "fn", [fmt_scale, fmt_float, fmt_loss, fmt_lr, fmt_pct, fmt_rate, fmt_duration]
-)
-@pytest.mark.parametrize(
-    "value",
-    [None, "abc", float("nan"), float("inf"), -1e300, 10**400, True, []],
-    ids=["none", "str", "nan", "inf", "huge_neg", "huge_int", "bool", "list"],
-)
-def test_formatters_are_total(fn, value):
-    assert isinstance(fn(value), str)
+ODD_VALUES = [None, "abc", float("nan"), float("inf"), -1e300, 10**400, True, []]
+EXPECTED = {  # None -> "-", text as itself, non-finite as such, huge values stay short
+    fmt_scale: ["-", "abc", "nan", "inf", "-1.0e+300", "inf", "True", "[]"],
+    fmt_float: ["-", "abc", "nan", "inf", "-1.0e+300", "inf", "True", "[]"],
+    fmt_loss: ["-", "abc", "nan", "inf", "-1.000e+300", "inf", "True", "[]"],
+    fmt_lr: ["-", "abc", "nan", "inf", "-1.0e+300", "inf", "True", "[]"],
+    fmt_pct: ["-", "abc", "nan", "inf", "-1.0e+302%", "inf", "True", "[]"],
+    fmt_rate: ["-", "abc", "nan", "inf", "-1.0e+300", "inf", "True", "[]"],
+    fmt_duration: ["-", "abc", "nan", "inf", "-1.0e+300s", "inf", "True", "[]"],
+}
+
+
+@pytest.mark.parametrize("fn", list(EXPECTED), ids=lambda f: f.__name__)
+def test_formatters_are_total_and_short(fn):
+    assert [fn(v) for v in ODD_VALUES] == EXPECTED[fn]
 
 
 # ----------------------------------------------------------------------------- plain mode

@@ -135,3 +135,29 @@ def _mk(runs, name):
     from ampctl.train.run import new_run_dir
 
     return new_run_dir(runs, name)
+
+
+@pytest.mark.slow
+def test_fsdp_resume_of_gpt2_through_its_hf_layout_hooks(tmp_path):
+    """GPT-2's state dict transposes its Conv1D weights (Hugging Face layout) in hooks; FSDP2's
+    full state dicts go through them (gather on save, distribute on load): a resumed run must
+    match an uninterrupted one, and the checkpoint must hold the [in, out] layout."""
+    import json
+
+    runs = tmp_path / "runs"
+    common = ["conf=gpt2_tiny", *FAST, "model.num_heads=2", "precision=fp32", "--quiet"]
+    common += [f"trainer.runs_dir={runs}", "dist.strategy=fsdp"]
+    for name in ("full", "part"):
+        res = _torchrun([*common, "--name", name], nproc=2)
+        assert res.returncode == 0, res.stderr[-2000:]
+    part = runs / "part"
+    (part / "checkpoints" / "step_00000012.pt").unlink()
+    rows = [r for r in read_jsonl(part / "metrics.jsonl") if r["step"] <= 6]
+    (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = _torchrun(["--resume", str(part), "--quiet"], nproc=2)
+    assert res.returncode == 0, res.stderr[-2000:]
+    a = [r["loss"] for r in read_jsonl(runs / "full" / "metrics.jsonl")]
+    b = [r["loss"] for r in read_jsonl(part / "metrics.jsonl")]
+    assert a == b and len(a) == 3
+    ck = torch.load(part / "checkpoints" / "step_00000012.pt", weights_only=True)
+    assert ck["model"]["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)

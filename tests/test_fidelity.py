@@ -3,7 +3,8 @@ and steps in fp32, fp16 (protected) and bf16. Slow (a few minutes on 2 CPU cores
 
     pytest -m slow -s tests/test_fidelity.py
 
-Prints the figures quoted in README. The compared loss is the mean over the last 30 steps
+The decoder presets (gpt2_tiny, llama_tiny) get the same check. Prints the figures quoted in
+README. The compared loss is the mean over the last 30 steps
 (three log rows), so one noisy batch does not decide it.
 """
 
@@ -34,6 +35,31 @@ def test_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path):
     gap16, gapb = abs(f16 - ref) / ref, abs(b16 - ref) / ref
     print(
         f"\nfidelity (default task, {s32['steps']} steps, seed 0, mean loss of the last 30 steps):"
+        f"\n  fp32 {ref:.4f}  ({s32['wall_time_s']:.0f} s)"
+        f"\n  fp16 {f16:.4f}  gap {gap16:.2%}  skipped {s16['skipped']}  final scale {s16['final_scale']:g}  ({s16['wall_time_s']:.0f} s)"
+        f"\n  bf16 {b16:.4f}  gap {gapb:.2%}  skipped {sb['skipped']}  ({sb['wall_time_s']:.0f} s)"
+    )
+    assert gap16 <= 0.01
+    assert gapb <= 0.02
+
+
+def _final_preset(tmp_path, preset: str, precision: str) -> tuple[float, dict]:
+    cfg = load_config([f"conf={preset}", f"precision={precision}", f"trainer.runs_dir={tmp_path}"])
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, f"{preset}-{precision}"))
+    tail = read_jsonl(res.run_dir / "metrics.jsonl")[-3:]
+    return sum(r["loss"] for r in tail) / len(tail), res.summary
+
+
+@pytest.mark.parametrize("preset", ["gpt2_tiny", "llama_tiny"])
+def test_decoder_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path, preset):
+    """The small decoder presets (next-token loss on the synthetic corpus, 300 steps) in fp32,
+    fp16 (protected, the preset's scaler and fp32 norms) and bf16."""
+    ref, s32 = _final_preset(tmp_path, preset, "fp32")
+    f16, s16 = _final_preset(tmp_path, preset, "fp16")
+    b16, sb = _final_preset(tmp_path, preset, "bf16")
+    gap16, gapb = abs(f16 - ref) / ref, abs(b16 - ref) / ref
+    print(
+        f"\nfidelity ({preset}, {s32['steps']} steps, seed 0, mean loss of the last 30 steps):"
         f"\n  fp32 {ref:.4f}  ({s32['wall_time_s']:.0f} s)"
         f"\n  fp16 {f16:.4f}  gap {gap16:.2%}  skipped {s16['skipped']}  final scale {s16['final_scale']:g}  ({s16['wall_time_s']:.0f} s)"
         f"\n  bf16 {b16:.4f}  gap {gapb:.2%}  skipped {sb['skipped']}  ({sb['wall_time_s']:.0f} s)"

@@ -61,19 +61,24 @@ Host reads: ``step`` reads one flag per optimizer per step (to decide whether to
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
+from .checks import FieldError, need
+from .checks import is_finite as _finite
+from .checks import is_int as _is_int
 from .overflow import check_and_unscale_
 
-__all__ = ["CallOrderError", "LossScaler", "OptState", "next_scale"]
+__all__ = ["CallOrderError", "LossScaler", "OptState", "ScalerConfig", "next_scale"]
 
 # The device tensors besides the history, in the order state_dict() reads them.
 _SCALARS = (
@@ -147,8 +152,28 @@ def next_scale(
 
 
 def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"LossScaler: {name}={value!r} is not allowed; {name} must be {allowed}")
+    need(ok, "LossScaler", name, value, allowed)
+
+
+@dataclass(kw_only=True)
+class ScalerConfig:
+    """``scaler.*``: the arguments of :class:`LossScaler`, checked by LossScaler's own rules
+    (one place for each rule)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    history_size: int = 1024
+
+    def __post_init__(self) -> None:
+        try:
+            LossScaler(**dataclasses.asdict(self))  # no device state: nothing is allocated
+        except FieldError as e:
+            raise FieldError(type(self).__name__, e.field, e.value, e.allowed) from None
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -788,7 +813,9 @@ class LossScaler(torch.amp.GradScaler):
         return self._growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
-        _check_range("growth_factor", new_factor, _finite(new_factor) and new_factor > 1, "> 1")
+        _check_range(
+            "growth_factor", new_factor, _finite(new_factor) and new_factor > 1, "a number > 1"
+        )
         self._growth_factor = float(new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
@@ -1075,13 +1102,5 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _finite(x: Any) -> bool:
-    return _number(x) and math.isfinite(x)
-
-
 def _finite_pos(x: Any) -> bool:
     return _finite(x) and x > 0
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

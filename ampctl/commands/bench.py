@@ -75,14 +75,14 @@ from typing import Any
 
 import torch
 
+from ampctl.amp.precision import PRECISIONS
 from ampctl.config import RunConfig, load_config, split_overrides, with_changes
-from ampctl.errors import UsageError
+from ampctl.errors import UsageError, first_line
 
 __all__ = ["SECTIONS", "BenchError", "bench", "plan", "run_bench", "print_report"]
 
 SECTIONS = ("overhead", "overflow_check", "host_reads", "precision")
 OVERHEAD_GOAL = 1.02
-_PRECISIONS = ("fp32", "bf16", "fp16", "fp16-pure", "fp8")
 _MEMORY_STEPS = 2
 
 Progress = Callable[[str], None]
@@ -115,11 +115,6 @@ def _clock(device: torch.device) -> float:
 
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _free(device: torch.device) -> None:
@@ -385,7 +380,7 @@ def measure_host_reads(
         except UsageError as e:
             if not fused:
                 raise
-            out.update(fused=None, fused_total=None, fused_by_method={}, fused_error=_first_line(e))
+            out.update(fused=None, fused_total=None, fused_by_method={}, fused_error=first_line(e))
             continue
         out[label] = total / steps
         out[f"{label}_total"] = total
@@ -504,7 +499,7 @@ def _memory_worker() -> int:
             try:
                 line = json.dumps(_measure_rss(cfg, p, steps))
             except BaseException as e:  # noqa: BLE001  (reported to the parent as a row error)
-                line, code = json.dumps({"precision": p, "error": _first_line(e)}), 1
+                line, code = json.dumps({"precision": p, "error": first_line(e)}), 1
             os.write(1, (line + "\n").encode())
             os._exit(code)
         os.waitpid(pid, 0)
@@ -565,7 +560,7 @@ def measure_cpu_memory(
 
 
 def _precision_cfgs(
-    cfg: RunConfig, device: torch.device, precisions: Sequence[str] = _PRECISIONS
+    cfg: RunConfig, device: torch.device, precisions: Sequence[str] = PRECISIONS
 ) -> tuple[dict[str, RunConfig], dict[str, str]]:
     from ampctl.amp import bf16_supported
 
@@ -584,7 +579,7 @@ def _rows(
     tokens: int,
     errors: dict[str, str],
     mem: dict[str, float | None],
-    precisions: Sequence[str] = _PRECISIONS,
+    precisions: Sequence[str] = PRECISIONS,
 ) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     ref = _median(times["fp32"]) if times.get("fp32") else None
@@ -616,7 +611,7 @@ def measure_precisions(
     cfg: RunConfig,
     steps: int,
     progress: Progress | None = None,
-    precisions: Sequence[str] = _PRECISIONS,
+    precisions: Sequence[str] = PRECISIONS,
 ) -> dict[str, Any]:
     """Step time, tokens/s and peak memory of fp32 / bf16 / fp16 / fp16-pure / fp8 (or the
     given ``precisions``) on the configured model (``train_step(log=False)``, one warm-up step
@@ -661,7 +656,7 @@ def measure_precisions(
                     errors[p] = f"out of memory (batch {d.batch_size} x seq {d.seq_len})"
                 except UsageError as e:
                     times[p] = []
-                    errors[p] = _first_line(e)
+                    errors[p] = first_line(e)
                 finally:
                     del trainer
                     _free(device)
@@ -677,7 +672,7 @@ def measure_precisions(
                 try:
                     trainers[p] = Trainer(c, Path(tmp), display=None)
                 except UsageError as e:
-                    errors[p] = _first_line(e)
+                    errors[p] = first_line(e)
             order = list(trainers)
             for r in range(steps + warmup):  # the first rounds are the warm-up
                 k = r % max(len(order), 1)
@@ -782,7 +777,7 @@ def bench(
         say("host reads: counting reads per train_step")
         out["host_reads"] = measure_host_reads(cfg, n["host_read_steps"], say)
     if "precision" in sections:
-        say(f"precision: {' / '.join(_PRECISIONS)}, {n['precision_steps']} timed steps each")
+        say(f"precision: {' / '.join(PRECISIONS)}, {n['precision_steps']} timed steps each")
         out["precision"] = measure_precisions(cfg, n["precision_steps"], say)
     out["meta"]["wall_s"] = time.perf_counter() - t0
     return out

@@ -12,6 +12,7 @@ reads a JSONL file goes through :func:`read_jsonl` (one way to treat a bad line)
 from .branches import (
     BranchInfo,
     branch_event,
+    describe_lineage,
     fork_event,
     fork_into,
     list_branches,
@@ -35,6 +36,7 @@ __all__ = [
     "is_finite_number",
     "BranchInfo",
     "branch_event",
+    "describe_lineage",
     "fork_event",
     "fork_into",
     "list_branches",

@@ -40,6 +40,7 @@ __all__ = [
     "split_lines",
     "branch_event",
     "fork_event",
+    "describe_lineage",
 ]
 
 
@@ -223,3 +224,26 @@ def fork_event(parent: RunLayout | None, checkpoint: Path, step: int) -> dict[st
         "parent": str(parent.root) if parent is not None else None,
         "resumed_from": str(checkpoint),
     }
+
+
+def describe_lineage(run: RunLayout) -> str:
+    """One line saying which line of history a folder holds: a run's main line (and the
+    branches resumes set aside), an archived branch, or a fork of another run's checkpoint."""
+    if run.root.parent.name == RunLayout.BRANCHES:
+        info = BranchInfo.read(run.root)
+        owner = run.root.parent.parent
+        return (
+            f"archived branch {run.root.name} of {owner}: the history after step "
+            f"{info.forked_at_step} that a resume set aside"
+        )
+    parts = []
+    parent = read_json(run.parent)
+    if parent:
+        parts.append(f"forked from {parent.get('checkpoint')} (step {parent.get('step')})")
+    branches = list_branches(run)
+    if branches:
+        at = ", ".join(str(b.forked_at_step) for b in branches)
+        parts.append(
+            f"resumed from step {at}; {len(branches)} set-aside branch(es) in {RunLayout.BRANCHES}/"
+        )
+    return "main line" + (f" ({'; '.join(parts)})" if parts else "")

@@ -22,6 +22,7 @@ __all__ = [
     "resolve_device",
     "build_model",
     "build_data_source",
+    "data_objective",
     "build_optimizer",
     "OptimConfig",
     "extract_loss",
@@ -157,6 +158,16 @@ def build_model(cfg: RunConfig) -> nn.Module:
     return model
 
 
+def data_objective(cfg: RunConfig) -> str:
+    """``data.objective``, with ``auto`` resolved from the model's name (no import):
+    ``causal`` when ``model._target_`` ends in ``ForCausalLM`` or ``LMHeadModel`` (ampctl's
+    GPT-2 and Llama, and Hugging Face's causal-LM classes), else ``mlm``."""
+    if cfg.data.objective != "auto":
+        return cfg.data.objective
+    name = str(cfg.model.get("_target_", "")).rsplit(".", 1)[-1]
+    return "causal" if name.endswith(("ForCausalLM", "LMHeadModel")) else "mlm"
+
+
 def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLMSource:
     d = cfg.data
     kw: dict[str, Any] = dict(
@@ -166,17 +177,36 @@ def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLM
         mask_prob=d.mask_prob,
         rank=rank,
         world_size=world_size,
+        objective=data_objective(cfg),
     )
     if d.kind == "synthetic":
         kw.update(vocab_size=d.vocab_size, branching=d.branching)
+    elif d.kind == "hf":
+        kw.update(
+            path=d.path,
+            tokenizer=d.tokenizer,
+            vocab_size=d.vocab_size,
+            text_field=d.text_field,
+            format=d.format,
+            split=d.split,
+            cache_dir=d.cache_dir,
+        )
     else:
         kw.update(path=d.path)
     try:
-        return build_data(d.kind, **kw)
+        source = build_data(d.kind, **kw)
     except DataError as e:
         raise BuildError(str(e).splitlines()[0]) from None
     except ValueError as e:
         raise BuildError(f"data: {str(e).splitlines()[0]}") from None
+    model_vocab = cfg.model.get("vocab_size")
+    tok_vocab = getattr(getattr(source, "tokenizer", None), "vocab_size", None)
+    if isinstance(model_vocab, int) and isinstance(tok_vocab, int) and tok_vocab > model_vocab:
+        raise BuildError(
+            f"data.tokenizer '{d.tokenizer}' has {tok_vocab} tokens, more than "
+            f"model.vocab_size={model_vocab}: set model.vocab_size={tok_vocab} or larger"
+        )
+    return source
 
 
 def build_optimizer(

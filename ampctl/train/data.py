@@ -1,11 +1,22 @@
-"""Deterministic masked-LM batches: a synthetic Markov-chain source and a text source.
+"""Deterministic language-model batches: a synthetic Markov-chain source and a text source
+(and, in :mod:`ampctl.train.hf_data`, a Hugging Face datasets/tokenizers source).
 
-Every batch is a dict of CPU tensors:
+Every batch is a dict of CPU tensors, for one of two objectives (``objective=``):
 
-* ``input_ids``: long [B, T]; position 0 is always CLS.
+``"mlm"`` (masked LM, BERT):
+
+* ``input_ids``: long [B, T]; position 0 is always CLS; some tokens masked.
 * ``attention_mask``: bool [B, T]; True for real tokens, False for padding.
 * ``labels``: long [B, T]; the original token where a prediction is asked for,
   -100 elsewhere.
+
+``"causal"`` (next-token LM, GPT-2 / Llama):
+
+* ``input_ids``: long [B, T], unmasked (for these two sources position 0 is CLS, which
+  serves as the beginning-of-sequence token).
+* ``attention_mask``: bool [B, T] as above.
+* ``labels``: the input ids themselves (-100 at padding); the model shifts them
+  (position t predicts token t + 1), as in Hugging Face.
 
 Special ids are ``PAD=0, CLS=1, SEP=2, MASK=3``; ordinary tokens start at 4.
 
@@ -14,7 +25,8 @@ Determinism: the batch with global index ``g`` is a pure function of
 own ``torch.Generator`` seeded from ``(seed, g)``; no global RNG state is read or
 written. Rank ``r`` of ``world_size`` ``W`` yields global indices
 ``r, W + r, 2W + r, ...``, so its local batch ``i`` is global batch ``i * W + r``
-and the same global index gives the same batch whatever ``W`` is.
+and the same global index gives the same batch whatever ``W`` is. A causal batch holds
+the same tokens as the masked-LM batch of the same index, unmasked.
 """
 
 from __future__ import annotations
@@ -22,13 +34,18 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ampctl.amp.checks import is_finite, need
+from ampctl.errors import ConfigError
+
 __all__ = [
+    "DataConfig",
     "PAD_ID",
     "CLS_ID",
     "SEP_ID",
@@ -37,11 +54,13 @@ __all__ = [
     "MAX_BRANCHING",
     "IGNORE_INDEX",
     "DATA_KINDS",
+    "OBJECTIVES",
     "Batch",
     "DataError",
     "MLMSource",
     "SyntheticMLM",
     "TextMLM",
+    "PackedSource",
     "encode",
     "decode",
     "apply_mlm_masking",
@@ -58,7 +77,9 @@ FIRST_ORDINARY_ID = 4
 IGNORE_INDEX = -100
 
 #: Allowed values of ``build_data(kind=...)``.
-DATA_KINDS: tuple[str, ...] = ("synthetic", "text")
+DATA_KINDS: tuple[str, ...] = ("synthetic", "text", "hf")
+#: Allowed values of a source's ``objective``.
+OBJECTIVES: tuple[str, ...] = ("mlm", "causal")
 
 Batch = dict[str, Tensor]
 
@@ -80,6 +101,86 @@ _TOPIC_ZIPF_EXPONENT = 1.5
 _CHAIN_SLOTS = 64
 #: Largest ``SyntheticMLM(branching=...)``; every successor needs at least one slot.
 MAX_BRANCHING = 32
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """``data.*``: the data source (synthetic, text, hf) and its batches."""
+
+    kind: str = "synthetic"
+    vocab_size: int = 1024
+    seq_len: int = 64
+    batch_size: int = 16
+    mask_prob: float = 0.15
+    branching: int = 4
+    path: str | None = None
+    # masked-LM or next-token batches; auto: causal for a model whose class name ends in
+    # ForCausalLM or LMHeadModel (GPT-2, Llama, their HF classes), mlm otherwise
+    objective: str = "auto"
+    # data=hf only (ampctl.train.hf_data)
+    tokenizer: str | None = None
+    text_field: str = "text"
+    format: str = "auto"
+    split: str = "train"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        need(
+            self.kind in ("synthetic", "text", "hf"),
+            self,
+            "kind",
+            self.kind,
+            "one of synthetic, text, hf (select with data=synthetic, data=text or data=hf)",
+        )
+        need(self.vocab_size >= 8, self, "vocab_size", self.vocab_size, "an integer >= 8")
+        need(self.seq_len >= 4, self, "seq_len", self.seq_len, "an integer >= 4")
+        need(self.batch_size >= 1, self, "batch_size", self.batch_size, "an integer >= 1")
+        need(
+            is_finite(self.mask_prob) and 0 < self.mask_prob < 1,
+            self,
+            "mask_prob",
+            self.mask_prob,
+            "in (0, 1)",
+        )
+        need(self.branching >= 1, self, "branching", self.branching, "an integer >= 1")
+        need(
+            self.objective in ("auto", "mlm", "causal"),
+            self,
+            "objective",
+            self.objective,
+            "one of auto, mlm, causal",
+        )
+        need(
+            self.format in ("auto", "text", "json", "parquet", "arrow"),
+            self,
+            "format",
+            self.format,
+            "one of auto, text, json, parquet, arrow",
+        )
+        need(bool(self.text_field), self, "text_field", self.text_field, "a column name")
+        if self.kind == "text":
+            if not self.path:
+                raise ConfigError(
+                    "data.path is missing: data=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files)"
+                )
+            need(
+                self.vocab_size == 260,
+                self,
+                "vocab_size",
+                self.vocab_size,
+                "260 with data=text (byte-level tokenizer)",
+            )
+        if self.kind == "hf":
+            if not self.path:
+                raise ConfigError(
+                    "data.path is missing: data=hf needs data.path= (a save_to_disk folder, "
+                    "text/json/parquet files, a folder or a glob of them)"
+                )
+            if not self.tokenizer:
+                raise ConfigError(
+                    "data.tokenizer is missing: data=hf needs data.tokenizer= (a tokenizer.json "
+                    "or a tokenizer folder; make one with `ampctl tokenizer train`)"
+                )
 
 
 class DataError(ValueError):
@@ -122,8 +223,16 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 def _check_common(
-    seq_len: Any, batch_size: Any, seed: Any, mask_prob: Any, rank: Any, world_size: Any
+    seq_len: Any,
+    batch_size: Any,
+    seed: Any,
+    mask_prob: Any,
+    rank: Any,
+    world_size: Any,
+    objective: Any = "mlm",
 ) -> None:
+    if objective not in OBJECTIVES:
+        raise DataError(f"data.objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
     _check_int("seq_len", seq_len, 2)
     _check_int("batch_size", batch_size, 1)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -142,7 +251,14 @@ def _check_common(
 
 
 def apply_mlm_masking(
-    tokens: Tensor, vocab_size: int, mask_prob: float, generator: torch.Generator
+    tokens: Tensor,
+    vocab_size: int,
+    mask_prob: float,
+    generator: torch.Generator,
+    *,
+    mask_id: int = MASK_ID,
+    special: Tensor | None = None,
+    ordinary_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """BERT masking of ``tokens`` (long [B, T]); returns ``(input_ids, labels)``.
 
@@ -152,9 +268,13 @@ def apply_mlm_masking(
     80% are replaced by MASK, 10% by a random ordinary token and 10% are left
     unchanged. ``labels`` holds the original token at the selected positions
     and -100 elsewhere.
+
+    For a tokenizer whose special tokens are not ids 0-3 (:mod:`ampctl.train.hf_data`):
+    ``special`` is a bool [vocab_size] table, True for ids never selected; ``ordinary_ids``
+    the ids a random replacement is drawn from; ``mask_id`` the mask token.
     """
     batch, seq_len = tokens.shape
-    eligible = tokens >= FIRST_ORDINARY_ID
+    eligible = tokens >= FIRST_ORDINARY_ID if special is None else ~special[tokens]
     n_eligible = eligible.sum(dim=1, keepdim=True)
     n_select = torch.round(n_eligible.double() * mask_prob).long().clamp(min=1)
     n_select = torch.minimum(n_select, n_eligible)
@@ -168,16 +288,20 @@ def apply_mlm_masking(
     selected = rank < n_select
 
     action = torch.rand(batch, seq_len, generator=generator)
-    random_tokens = torch.randint(
-        FIRST_ORDINARY_ID, vocab_size, (batch, seq_len), generator=generator
-    )
+    if ordinary_ids is None:
+        random_tokens = torch.randint(
+            FIRST_ORDINARY_ID, vocab_size, (batch, seq_len), generator=generator
+        )
+    else:
+        pick = torch.randint(0, ordinary_ids.numel(), (batch, seq_len), generator=generator)
+        random_tokens = ordinary_ids[pick]
     to_mask = selected & (action < _MASK_TOKEN_FRACTION)
     to_random = (
         selected
         & (action >= _MASK_TOKEN_FRACTION)
         & (action < _MASK_TOKEN_FRACTION + _RANDOM_TOKEN_FRACTION)
     )
-    input_ids = tokens.masked_fill(to_mask, MASK_ID)
+    input_ids = tokens.masked_fill(to_mask, mask_id)
     input_ids = torch.where(to_random, random_tokens, input_ids)
     labels = tokens.masked_fill(~selected, IGNORE_INDEX)
     return input_ids, labels
@@ -187,15 +311,18 @@ def apply_mlm_masking(
 
 
 class MLMSource(ABC):
-    """Infinite, resumable, rank-sharded stream of masked-LM batches.
+    """Infinite, resumable, rank-sharded stream of language-model batches.
 
     Subclasses provide :meth:`_tokens`, the unmasked token ids of a global batch;
-    this base class applies the masking and keeps the position.
+    this base class applies the objective (masking for ``"mlm"``, none for
+    ``"causal"``) and keeps the position. (The name predates the causal objective.)
     """
 
     vocab_size: int
     #: The keys of every batch: the model is called as ``model(**batch)``.
     batch_keys: tuple[str, ...] = ("input_ids", "attention_mask", "labels")
+    #: Padding id: attention_mask is ``tokens != pad_id``; causal labels there are -100.
+    pad_id: int = PAD_ID
 
     def __init__(
         self,
@@ -207,6 +334,7 @@ class MLMSource(ABC):
         mask_prob: float,
         rank: int,
         world_size: int,
+        objective: str = "mlm",
     ) -> None:
         self.vocab_size = vocab_size
         self.seq_len = seq_len
@@ -215,11 +343,16 @@ class MLMSource(ABC):
         self.mask_prob = float(mask_prob)
         self.rank = rank
         self.world_size = world_size
+        self.objective = objective
         self._position = 0
 
     @abstractmethod
     def _tokens(self, global_index: int, generator: torch.Generator) -> Tensor:
-        """Unmasked long [batch_size, seq_len] ids of a global batch, CLS first."""
+        """Unmasked long [batch_size, seq_len] ids of a global batch."""
+
+    def _mask(self, tokens: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Masked-LM ``(input_ids, labels)`` of ``tokens``."""
+        return apply_mlm_masking(tokens, self.vocab_size, self.mask_prob, generator)
 
     @property
     def position(self) -> int:
@@ -237,12 +370,15 @@ class MLMSource(ABC):
         global_index = self.global_index(index)
         generator = _generator(self.seed, _TAG_BATCH, global_index)
         tokens = self._tokens(global_index, generator)
-        input_ids, labels = apply_mlm_masking(tokens, self.vocab_size, self.mask_prob, generator)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": tokens != PAD_ID,
-            "labels": labels,
-        }
+        real = tokens != self.pad_id
+        if self.objective == "causal":
+            return {
+                "input_ids": tokens,
+                "attention_mask": real,
+                "labels": tokens.masked_fill(~real, IGNORE_INDEX),
+            }
+        input_ids, labels = self._mask(tokens, generator)
+        return {"input_ids": input_ids, "attention_mask": real, "labels": labels}
 
     def next_batch(self) -> Batch:
         """The batch at :attr:`position`; advances the position by one."""
@@ -300,9 +436,11 @@ class SyntheticMLM(MLMSource):
         seq_len: tokens per sequence, CLS included.
         batch_size: sequences per batch.
         seed: chooses the chain and every batch.
-        mask_prob: fraction of positions selected for prediction.
+        mask_prob: fraction of positions selected for prediction (``"mlm"``).
         branching: likely successors per token (the topic size), 1 to 32.
         rank, world_size: this process's shard.
+        objective: ``"mlm"`` (masked batches) or ``"causal"`` (the same sequences,
+            unmasked, labels = input ids).
     """
 
     def __init__(
@@ -316,8 +454,9 @@ class SyntheticMLM(MLMSource):
         branching: int = 4,
         rank: int = 0,
         world_size: int = 1,
+        objective: str = "mlm",
     ) -> None:
-        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size)
+        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
         _check_int("branching", branching, 1)
         if branching > MAX_BRANCHING:
             raise DataError(f"data.branching ({branching}) must be <= {MAX_BRANCHING}")
@@ -330,6 +469,7 @@ class SyntheticMLM(MLMSource):
             mask_prob=mask_prob,
             rank=rank,
             world_size=world_size,
+            objective=objective,
         )
         self.branching = branching
         slot_table, self._start_cdf = self._draw_chain()
@@ -457,8 +597,72 @@ def _read_corpus(path: Path) -> Tensor:
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int16)
 
 
-class TextMLM(MLMSource):
-    """Masked-LM batches from UTF-8 text with a byte-level tokenizer.
+class PackedSource(MLMSource):
+    """Windows of a token stream, each visited once per epoch in a seeded order.
+
+    The stream (a 1-D integer tensor) is cut into consecutive windows of ``width``
+    tokens (a trailing partial window is dropped); with a ``prefix_id`` (CLS) that id is
+    prepended to each window, so ``width = seq_len - 1``, else ``width = seq_len``. Samples
+    are numbered globally (sample ``s`` is row ``s % batch_size`` of global batch
+    ``s // batch_size``); epoch ``e`` covers samples ``e*N .. (e+1)*N - 1`` for ``N``
+    windows and visits every window once, in an order given by a permutation seeded from
+    ``(seed, e)``. Batches continue across epochs forever.
+
+    Subclasses call :meth:`_set_stream` in their constructor.
+    """
+
+    _stream: Tensor
+    _prefix_id: int | None
+    width: int
+    num_windows: int
+
+    def _set_stream(self, stream: Tensor, prefix_id: int | None) -> None:
+        self._stream = stream
+        self._prefix_id = prefix_id
+        self.width = self.seq_len - (1 if prefix_id is not None else 0)
+        self.num_windows = stream.numel() // self.width
+        self._perm_cache: dict[int, Tensor] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the token stream (separators included)."""
+        return self._stream.numel()
+
+    def _permutation(self, epoch: int) -> Tensor:
+        perm = self._perm_cache.get(epoch)
+        if perm is None:
+            if len(self._perm_cache) >= 2:
+                self._perm_cache.pop(next(iter(self._perm_cache)))
+            perm = torch.randperm(
+                self.num_windows, generator=_generator(self.seed, _TAG_EPOCH, epoch)
+            )
+            self._perm_cache[epoch] = perm
+        return perm
+
+    def window_index(self, sample: int) -> int:
+        """Which window (0-based, in corpus order) global sample ``sample`` uses."""
+        epoch, slot = divmod(sample, self.num_windows)
+        return int(self._permutation(epoch)[slot])
+
+    def _tokens(self, global_index: int, generator: torch.Generator) -> Tensor:
+        first = global_index * self.batch_size
+        samples = torch.arange(first, first + self.batch_size)
+        epochs, slots = samples // self.num_windows, samples % self.num_windows
+        windows = torch.empty(self.batch_size, dtype=torch.long)
+        for epoch in epochs.unique().tolist():  # one epoch, or a few for a tiny corpus
+            in_epoch = epochs == epoch
+            windows[in_epoch] = self._permutation(epoch)[slots[in_epoch]]
+        width = self.width
+        tokens = torch.empty(self.batch_size, self.seq_len, dtype=torch.long)
+        body = tokens if self._prefix_id is None else tokens[:, 1:]
+        if self._prefix_id is not None:
+            tokens[:, 0] = self._prefix_id
+        body.copy_(self._stream[windows[:, None] * width + torch.arange(width)])
+        return tokens
+
+
+class TextMLM(PackedSource):
+    """Masked-LM (or causal-LM) batches from UTF-8 text with a byte-level tokenizer.
 
     ``path`` is a text file, or a directory whose ``*.txt`` files (searched
     recursively, sorted by path) are concatenated with a SEP between files. The
@@ -490,8 +694,9 @@ class TextMLM(MLMSource):
         mask_prob: float = 0.15,
         rank: int = 0,
         world_size: int = 1,
+        objective: str = "mlm",
     ) -> None:
-        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size)
+        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
         if not isinstance(path, str | Path):
             raise DataError(f"data.path must be a file or directory path, got {path!r}")
         super().__init__(
@@ -502,68 +707,42 @@ class TextMLM(MLMSource):
             mask_prob=mask_prob,
             rank=rank,
             world_size=world_size,
+            objective=objective,
         )
         self.path = Path(path)
-        self._stream = _read_corpus(self.path)
-        window = seq_len - 1
-        self.num_windows = self._stream.numel() // window
+        self._set_stream(_read_corpus(self.path), CLS_ID)
         if self.num_windows == 0:
             raise DataError(
-                f"data.path '{self.path}' holds {self._stream.numel()} tokens, too few for one "
-                f"sequence of seq_len {seq_len}: give at least {window} bytes of text"
+                f"data.path '{self.path}' holds {self.num_tokens} tokens, too few for one "
+                f"sequence of seq_len {seq_len}: give at least {self.width} bytes of text"
             )
-        self._perm_cache: dict[int, Tensor] = {}
-
-    @property
-    def num_tokens(self) -> int:
-        """Length of the token stream (bytes plus file separators)."""
-        return self._stream.numel()
-
-    def _permutation(self, epoch: int) -> Tensor:
-        perm = self._perm_cache.get(epoch)
-        if perm is None:
-            if len(self._perm_cache) >= 2:
-                self._perm_cache.pop(next(iter(self._perm_cache)))
-            perm = torch.randperm(
-                self.num_windows, generator=_generator(self.seed, _TAG_EPOCH, epoch)
-            )
-            self._perm_cache[epoch] = perm
-        return perm
-
-    def window_index(self, sample: int) -> int:
-        """Which window (0-based, in corpus order) global sample ``sample`` uses."""
-        epoch, slot = divmod(sample, self.num_windows)
-        return int(self._permutation(epoch)[slot])
-
-    def _tokens(self, global_index: int, generator: torch.Generator) -> Tensor:
-        first = global_index * self.batch_size
-        samples = torch.arange(first, first + self.batch_size)
-        epochs, slots = samples // self.num_windows, samples % self.num_windows
-        windows = torch.empty(self.batch_size, dtype=torch.long)
-        for epoch in epochs.unique().tolist():  # one epoch, or a few for a tiny corpus
-            in_epoch = epochs == epoch
-            windows[in_epoch] = self._permutation(epoch)[slots[in_epoch]]
-        width = self.seq_len - 1
-        tokens = torch.empty(self.batch_size, self.seq_len, dtype=torch.long)
-        tokens[:, 0] = CLS_ID
-        tokens[:, 1:] = self._stream[windows[:, None] * width + torch.arange(width)].long()
-        return tokens
 
 
 # ---------------------------------------------------------------------- factory
 
-_KINDS: dict[str, type[MLMSource]] = {"synthetic": SyntheticMLM, "text": TextMLM}
+
+def _source_class(kind: Any) -> type[MLMSource] | None:
+    if kind == "synthetic":
+        return SyntheticMLM
+    if kind == "text":
+        return TextMLM
+    if kind == "hf":  # its module imports datasets/tokenizers only when a source is built
+        from ampctl.train.hf_data import HFSource
+
+        return HFSource
+    return None
 
 
 def build_data(kind: str, **kwargs: Any) -> MLMSource:
-    """Build a data source: ``kind`` is ``"synthetic"`` (:class:`SyntheticMLM`)
-    or ``"text"`` (:class:`TextMLM`); ``kwargs`` go to its constructor.
+    """Build a data source: ``kind`` is ``"synthetic"`` (:class:`SyntheticMLM`),
+    ``"text"`` (:class:`TextMLM`) or ``"hf"`` (:class:`ampctl.train.hf_data.HFSource`);
+    ``kwargs`` go to its constructor.
 
     Raises:
         DataError: unknown ``kind``, an argument the kind does not take, a
             missing required argument, or any error from the constructor.
     """
-    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    cls = _source_class(kind) if isinstance(kind, str) else None
     if cls is None:
         allowed = ", ".join(repr(k) for k in DATA_KINDS)
         raise DataError(f"data.kind {kind!r} is not one of {allowed}")

@@ -95,6 +95,7 @@ class TrainerConfig:
     device: str = "auto"
     runs_dir: str = "runs"
     overflow_window: int = 50
+    stop_at: int | None = None  # stop (checkpoint, status ok) here; max_steps keeps the lr horizon
     compile: bool = False
     compile_backend: str = "inductor"
 
@@ -110,6 +111,13 @@ class TrainerConfig:
             v = getattr(self, k)
             need(is_int(v) and v >= 1, self, k, v, "an integer >= 1")
         need(is_int(self.seed) and self.seed >= 0, self, "seed", self.seed, "an integer >= 0")
+        need(
+            self.stop_at is None or (is_int(self.stop_at) and 1 <= self.stop_at <= self.max_steps),
+            self,
+            "stop_at",
+            self.stop_at,
+            f"null or an integer in [1, max_steps={self.max_steps}]",
+        )
         need(
             self.device in ("auto", "cpu", "cuda")
             or re.fullmatch(r"cuda:\d+", self.device) is not None,
@@ -361,7 +369,7 @@ class Trainer:
         with _Signals(self):
             try:
                 self.protection.start(self.step)
-                while self.step < self.cfg.trainer.max_steps:
+                while self.step < self.end:
                     log = self._is_due(self.cfg.trainer.log_every)
                     out = self.train_step(log)
                     self.protection.after_step(self.step, skipped=out.skipped, batches=out.batches)
@@ -388,10 +396,17 @@ class Trainer:
             summary["summary_error"] = err
         return TrainResult(summary=summary, run_dir=self.run_dir, status=status, exit_code=code)
 
+    @property
+    def end(self) -> int:
+        """The step this process stops at: ``trainer.stop_at`` when set (successive halving runs
+        a trial in pieces without moving the lr schedule's horizon), else ``max_steps``."""
+        t = self.cfg.trainer
+        return t.stop_at if t.stop_at is not None else t.max_steps
+
     def _is_due(self, every: int, ahead: int = 1) -> bool:
         """Whether step ``self.step + ahead`` is a multiple of ``every`` or the last step."""
         s = self.step + ahead
-        return s % every == 0 or s == self.cfg.trainer.max_steps
+        return s % every == 0 or s == self.end
 
     # ------------------------------------------------------------------ one step
     def train_step(self, log: bool = False) -> StepOutput:

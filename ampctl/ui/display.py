@@ -62,14 +62,18 @@ HISTORY_ROWS = 8
 EVENT_ROWS = 5
 _RATE_WINDOW = 16  # (time, step) samples used for the ETA estimate
 
-EVENT_STYLES: dict[str, str] = {
+EVENT_STYLES: dict[str, str] = {  # every kind the trainer and the protection emit
     "overflow": "yellow",
-    "rollback": "magenta",
-    "fallback": "magenta",
+    "locate": "cyan",
     "promotion": "magenta",
     "demotion": "magenta",
+    "rollback": "magenta",
+    "fallback": "magenta",
     "abort": "bold red",
-    "checkpoint": "green",
+    "error": "bold red",
+    "warning": "yellow",
+    "interrupt": "bold",
+    "branch": "blue",
 }
 
 _MISSING = "-"
@@ -80,8 +84,8 @@ _MISSING = "-"
 
 
 def _as_float(x: Any) -> float | None:
-    """``float(x)`` or None for None/non-numbers; huge ints become +-inf."""
-    if x is None:
+    """``float(x)`` or None for None/non-numbers (bools included); huge ints become +-inf."""
+    if x is None or isinstance(x, bool):
         return None
     try:
         return float(x)
@@ -167,6 +171,8 @@ def fmt_pct(v: float) -> str:
     p = v * 100.0
     if p != 0 and abs(p) < 0.1:
         return f"{p:.2g}%"
+    if abs(p) >= 1e6:
+        return f"{p:.1e}%"
     return f"{p:.1f}%"
 
 
@@ -174,6 +180,8 @@ def fmt_pct(v: float) -> str:
 def fmt_rate(v: float) -> str:
     """Throughput with an SI suffix: ``950``, ``12.5k``, ``1.2M``."""
     a = abs(v)
+    if a >= 1e15:
+        return f"{v:.1e}"
     for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if a >= div:
             return f"{v / div:.1f}{suffix}"
@@ -182,7 +190,9 @@ def fmt_rate(v: float) -> str:
 
 @_finite_number
 def fmt_duration(v: float) -> str:
-    """Seconds as ``MM:SS`` or ``H:MM:SS``."""
+    """Seconds as ``MM:SS`` or ``H:MM:SS`` (beyond a year: ``3.2e+08s``)."""
+    if abs(v) >= 366 * 86400:
+        return f"{v:.1e}s"
     sign = "-" if v < 0 else ""
     s = int(round(abs(v)))
     h, rem = divmod(s, 3600)
@@ -304,7 +314,7 @@ class Display:
 
     Usage::
 
-        with Display(max_steps=cfg.max_steps) as disp:
+        with Display(max_steps=cfg.trainer.max_steps) as disp:
             for ...:
                 disp.update(metrics)      # once per log interval
                 disp.event(ev)            # whenever something happens

@@ -13,9 +13,10 @@ returns a one-line install hint instead of raising when it is missing.
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
+
+from ampctl.runlog import RunLayout, read_jsonl
 
 __all__ = ["TB_HINT", "TensorBoardSink", "make_tensorboard_sink"]
 
@@ -50,7 +51,7 @@ class TensorBoardSink:
         self.log_dir = Path(run_dir) / "tensorboard"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
-        self._counts = _event_counts(Path(run_dir) / "events.jsonl")  # a resumed run counts on
+        self._counts = _event_counts(RunLayout(Path(run_dir)).events)  # a resumed run counts on
         self._closed = False
 
     def log_metrics(self, row: dict[str, Any]) -> None:
@@ -90,13 +91,9 @@ class TensorBoardSink:
 
 def _event_counts(path: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                kind = str(json.loads(line).get("kind"))
-            except (json.JSONDecodeError, AttributeError):
-                continue
-            counts[kind] = counts.get(kind, 0) + 1
+    for ev in read_jsonl(path):
+        kind = str(ev.get("kind"))
+        counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 

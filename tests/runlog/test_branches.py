@@ -125,6 +125,15 @@ def test_resume_branches_end_to_end(tmp_path):
     assert [p.name for p in arch.checkpoints()] == ["step_00000012.pt", "step_00000018.pt"]
     assert json.loads(arch.summary.read_text())["steps"] == 18
     assert [e["kind"] for e in read_jsonl(run.events) if e["kind"] == "branch"] == ["branch"]
+    # plot names the line it draws and overlays the set-aside branch
+    from ampctl.commands.plot import build_run_figure
+
+    fig = build_run_figure(run.root)
+    assert "main line (resumed from step 6; 1 set-aside branch(es)" in fig._suptitle.get_text()
+    gids = {line.get_gid() for ax in fig.axes for line in ax.lines}
+    assert "branch:001-step6" in gids
+    fig = build_run_figure(branch.path)
+    assert "archived branch 001-step6 of" in fig._suptitle.get_text()
     # the newest branch is the main line: --resume RUN_DIR continues from step 8, trains 2 steps
     r = _ampctl(tmp_path, "--resume", str(run.root), "trainer.max_steps=10", "-q")
     assert r.returncode == 0, r.stderr

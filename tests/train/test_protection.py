@@ -33,6 +33,21 @@ def planted(always: set[int], while_scale_at_least: dict[int, float]):
     return fault
 
 
+def reads_per_step(tr: Trainer, steps: int) -> list[int]:
+    """Drive the loop by hand, counting the host reads of each step (log steps included)."""
+    tr.protection.start(tr.step)
+    counts = []
+    for _ in range(steps):
+        log = tr._is_due(tr.cfg.trainer.log_every)
+        with count_host_reads() as reads:
+            out = tr.train_step(log)
+            tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
+            if log:
+                tr.log_step(out)
+        counts.append(reads.total)
+    return counts
+
+
 def _events(res):
     return [
         (e["kind"], e["step"], e.get("overflow"), e.get("scale"))
@@ -133,17 +148,7 @@ def test_fused_path_reads_the_host_once_per_log_interval(fast_cfg):
         "optim.fused=true", "trainer.max_steps=20", "trainer.log_every=5", "trainer.ckpt_every=100"
     )
     tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "reads"), fault=planted({3, 7, 8}, {}))
-    tr.protection.start(tr.step)
-    per_step = []
-    for _ in range(10):
-        log = tr._is_due(cfg.trainer.log_every)
-        with count_host_reads() as reads:
-            out = tr.train_step(log)
-            tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-            if log:
-                tr.log_step(out)
-        per_step.append(reads.total)
-    assert per_step == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert reads_per_step(tr, 10) == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
     kinds = [(e["kind"], e["step"]) for e in read_jsonl(tr.run_dir / "events.jsonl")]
     assert kinds == [("overflow", 3), ("overflow", 7), ("overflow", 8)]
 
@@ -151,15 +156,5 @@ def test_fused_path_reads_the_host_once_per_log_interval(fast_cfg):
 def test_standard_path_reads_once_per_step_plus_log_plus_skipped(fast_cfg):
     cfg = fast_cfg("trainer.max_steps=20", "trainer.log_every=5", "trainer.ckpt_every=100")
     tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "reads"), fault=planted({3}, {}))
-    tr.protection.start(tr.step)
-    per_step = []
-    for _ in range(5):
-        log = tr._is_due(cfg.trainer.log_every)
-        with count_host_reads() as reads:
-            out = tr.train_step(log)
-            tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-            if log:
-                tr.log_step(out)
-        per_step.append(reads.total)
     # the skip flag each step; step 3 adds the attribution read; step 5 the log read
-    assert per_step == [1, 1, 2, 1, 2]
+    assert reads_per_step(tr, 5) == [1, 1, 2, 1, 2]

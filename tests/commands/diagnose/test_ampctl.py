@@ -1,4 +1,6 @@
-"""ampctl diagnose: planted faults in real checkpoints, history, recommendations, bad input."""
+"""ampctl diagnose on ampctl's own checkpoints: planted faults, history, replay,
+recommendations, bad input. (The test model is not shipped with ampctl: the replay needs
+``trust_code=True`` / ``--trust-code``, which the trust tests check.)"""
 
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
+from ampctl.amp.formats import ideal_scale, recommended_init_scale
 from ampctl.cli import app
-from ampctl.config import load_config
-from ampctl.diagnose import (
-    diagnose,
+from ampctl.commands.diagnose import (
+    diagnose as _diagnose,
+)
+from ampctl.commands.diagnose import (
     grad_norm_trend,
     overflow_bursts,
-    recommended_scale,
     run_diagnose,
 )
+from ampctl.config import load_config
 from ampctl.train.checkpoint import FORMAT, latest_checkpoint, list_checkpoints
 from ampctl.train.data import IGNORE_INDEX, PAD_ID
 from ampctl.train.models import BertForMaskedLM
@@ -30,6 +34,14 @@ from ampctl.train.trainer import train
 from tests.conftest import FAST
 
 PAD = 4
+TARGET = "tests.commands.diagnose.test_ampctl.DiagModel"
+
+
+def diagnose(path, **kw):
+    """The library call, trusting the test model (it does not ship with ampctl)."""
+    return _diagnose(path, trust_code=True, **kw)
+
+
 PLANTED_STEP = 100
 FP16_MAX = 65504.0
 
@@ -101,7 +113,7 @@ def _cfg(root: Path, *extra: str):
             "trainer.max_steps=6",
             "trainer.ckpt_every=3",
             "trainer.log_every=2",
-            "model._target_=tests.test_diagnose.DiagModel",
+            "model._target_=tests.commands.diagnose.test_ampctl.DiagModel",
             f"+model.pad={PAD}",
             "+model.boost=1.0",
             "+model.loss_factor=1.0",
@@ -180,9 +192,10 @@ def test_nan_weight_is_named_and_an_older_checkpoint_is_recommended(run_copy):
     assert [(c["step"], c["healthy"]) for c in rep["checkpoints"]] == [
         (PLANTED_STEP, False),
         (6, True),
+        (3, True),
     ]
     assert rep["resume"] == {"checkpoint": healthy, "command": f"ampctl train --resume {healthy}"}
-    assert run_diagnose(run_copy, 2, None, "cpu", as_json=False) == 1
+    assert run_diagnose(run_copy, 2, None, "cpu", as_json=False, trust_code=True) == 1
 
 
 def test_nan_loss_scale_in_the_checkpoint(run_copy):
@@ -453,12 +466,18 @@ def test_grad_norm_trend_pure():
     assert grad_norm_trend([(1, 1.0), (2, float("nan")), (3, 10.0)])["exploded"] is True
 
 
-def test_recommended_scale_pure():
-    # 65504 / 0.5 = 131008 -> 2^16 (largest power of two below) -> /2 margin
-    assert recommended_scale(0.5) == (131008.0, 32768.0)
-    assert recommended_scale(1e-9)[1] == 2.0**24  # clamped to max_scale
-    assert recommended_scale(1e5, min_scale=1.0)[1] == 1.0
-    assert recommended_scale(0.0) == (math.inf, 2.0**24)
+def test_recommended_scale_is_the_one_definition(run_copy):
+    """diagnose recommends exactly ampctl.amp.formats.recommended_init_scale of its max|g|
+    (the function sweep-scale uses too): one definition, no second rounding."""
+    assert (ideal_scale(0.5), recommended_init_scale(0.5)) == (131008.0, 32768.0)
+
+    def edit(ck):
+        ck["scaler"]["scale"] = 2.0**24
+
+    plant(run_copy, edit)
+    g = diagnose(run_copy, batches=1)["replay"]["gradients"]
+    assert g["recommended_init_scale"] == recommended_init_scale(g["max_abs"])
+    assert g["ideal_scale"] == ideal_scale(g["max_abs"])
 
 
 # ---------------------------------------------------------------------------- CLI, JSON, bad input
@@ -474,18 +493,22 @@ def test_json_output_has_the_same_findings(run_copy):
         ck["optimizer"]["state"][pid]["exp_avg_sq"].view(-1)[0] = float("nan")
 
     plant(run_copy, edit)
-    res = runner.invoke(app, ["diagnose", str(run_copy), "--json", "--device", "cpu", "-b", "1"])
+    res = runner.invoke(
+        app, ["diagnose", str(run_copy), "--json", "--device", "cpu", "-b", "1", "--trust-code"]
+    )
     assert res.exit_code == 1, res.output
     got = json.loads(res.stdout)  # stdout is only JSON
     want = diagnose(run_copy, batches=1, device="cpu")
     got["replay"].pop("elapsed_s")
     want["replay"].pop("elapsed_s")
     assert got == want
-    assert got["schema"] == "ampctl-diagnose/1" and kinds(got) == ["nonfinite_optimizer_state"]
+    assert got["schema"] == "ampctl-diagnose/2" and kinds(got) == ["nonfinite_optimizer_state"]
 
 
 def test_cli_rich_report_and_exit_codes(base_run):
-    res = runner.invoke(app, ["diagnose", str(base_run), "--device", "cpu", "-b", "1"])
+    res = runner.invoke(
+        app, ["diagnose", str(base_run), "--device", "cpu", "-b", "1", "--trust-code"]
+    )
     assert res.exit_code == 0, res.output
     assert "Healthy: no problems found." in res.stdout and "1. State health" in res.stdout
 
@@ -503,18 +526,16 @@ def _bad_inputs(tmp: Path, base_run: Path) -> dict[str, tuple[Path, str]]:
     data = real.read_bytes()
     (tmp / "truncated.pt").write_bytes(data[: len(data) // 2])
     (tmp / "notes.txt").write_text("this is not a checkpoint\n")
-    torch.save({"weights": torch.zeros(2)}, tmp / "foreign.pt")
     torch.save({"format": FORMAT, "step": 3}, tmp / "incomplete.pt")
     torch.save({"format": FORMAT, "model": {}, "x": _Payload()}, tmp / "payload.pt")
     with open(tmp / "raw.pkl", "wb") as f:
         pickle.dump({"format": FORMAT, "x": _Payload()}, f, protocol=2)
     return {
         "missing": (tmp / "nope.pt", "does not exist"),
-        "no checkpoint": (empty_dir, "holds no checkpoint"),
+        "no checkpoint": (empty_dir, "holds no checkpoint diagnose can read"),
         "empty": (tmp / "empty.pt", "is empty (0 bytes)"),
         "truncated": (tmp / "truncated.pt", "is not a readable checkpoint"),
         "text": (tmp / "notes.txt", "is not a readable checkpoint"),
-        "foreign": (tmp / "foreign.pt", f"is not an ampctl checkpoint (no '{FORMAT}' format tag)"),
         "incomplete": (
             tmp / "incomplete.pt",
             "lacks model, config: not a complete ampctl checkpoint",
@@ -550,3 +571,36 @@ def test_bad_options_exit_2(base_run):
         res = runner.invoke(app, ["diagnose", str(base_run), *args])
         assert res.exit_code == 2, res.output
         assert res.stderr.strip() == f"ampctl: error: {text}"
+
+
+def test_a_target_that_does_not_ship_needs_trust_code(base_run):
+    """The test model is not ampctl's: without consent the state is still checked, the replay
+    is skipped with one line naming the target and the flag."""
+    rep = _diagnose(base_run, batches=1, device="cpu")
+    assert rep["healthy"] and rep["state"]["weights"]["bad"] == []
+    assert rep["replay"]["ran"] is False
+    assert rep["replay"]["reason"] == (
+        f"the checkpoint's config names model._target_={TARGET!r}, which does not ship with "
+        "ampctl: it is not imported (a checkpoint is data); add --trust-code to replay"
+    )
+
+
+def test_branch_of_a_resumed_run_is_reported(run_copy):
+    """A resume from step 3 set steps 4..6 aside in branches/001-step3: the main line says so,
+    and the archived checkpoint is read with the main line's rows up to the fork."""
+    from ampctl.runlog import RunLayout, prepare_resume
+
+    lay = RunLayout(run_copy)
+    prepare_resume(lay, lay.checkpoint(3), 3)
+    rep = diagnose(run_copy, batches=1)
+    assert rep["checkpoint"]["step"] == 3
+    assert rep["branch"]["line"] == "main" and rep["branch"]["branches"] == ["branches/001-step3"]
+    assert rep["branch"]["text"] == (
+        "main line; resumed from step 3, discarded history in branches/001-step3"
+    )
+    archived = run_copy / "branches" / "001-step3" / "checkpoints" / "step_00000006.pt"
+    rep = diagnose(archived, batches=1)
+    assert rep["branch"]["line"] == "archived" and rep["checkpoint"]["step"] == 6
+    assert [r["step"] for r in rep["history"]["before_break"]] == [2, 4, 6]
+    res = runner.invoke(app, ["diagnose", str(run_copy), "-b", "1", "--device", "cpu"])
+    assert "branch: main line; resumed from step 3" in res.stdout

@@ -1,0 +1,275 @@
+"""One diagnosis, start to end: read -> state health -> history -> replay -> recommendations ->
+the checkpoint to resume from -> the report.
+
+The trust rule (:mod:`ampctl.trust`) applies to the one step that could run code, the replay of
+an ampctl checkpoint: its saved config goes through :func:`ampctl.config.config_from_saved`, so a
+``_target_`` that does not ship with ampctl is imported only with ``--trust-code`` and an
+interpolation is never evaluated. Without consent the state health and history are still
+reported, and the replay is skipped with one line naming the target and the flag.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampctl.amp import PRECISIONS, bf16_supported
+from ampctl.errors import UsageError, first_line
+
+from . import readers
+from .common import STATE_KINDS
+from .health import scaler_history_rows, state_health
+from .history import branch_of, foreign_history, history_problems, run_history
+from .readers.base import Found, ReaderError
+from .recommend import Settings, recommend, resume_command
+from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
+from .report import build_report, replay_problems, state_kinds_of
+
+__all__ = ["diagnose", "check_options"]
+
+
+def check_options(batches: Any, precision: str | None, device: str) -> torch.device:
+    """Validate the options; the device to replay on. Raises :class:`UsageError`."""
+    from ampctl.train.builders import resolve_device
+
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise UsageError(f"--batches {batches!r} is not allowed: give an integer >= 1")
+    if precision is not None and precision not in PRECISIONS:
+        raise UsageError(
+            f"--precision {precision!r} is not allowed: use one of {', '.join(PRECISIONS)}"
+        )
+    allowed = f"--device {device!r} is not allowed: use auto, cpu, cuda or cuda:N"
+    try:
+        dev = resolve_device(device)
+    except UsageError:
+        raise
+    except (RuntimeError, ValueError):
+        raise UsageError(allowed) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(allowed)
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(
+            f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return dev
+
+
+# ---------------------------------------------------------------------------- config (trust)
+def _trusted_config(found: Found, trust_code: bool) -> tuple[Any, str | None]:
+    """An ampctl checkpoint's config through the trust rule: ``(cfg, None)`` or ``(None, why
+    the replay is skipped)``. Nothing in the saved config is imported or evaluated here."""
+    from ampctl.config import ConfigError, config_from_saved
+    from ampctl.trust import UntrustedConfigError
+
+    if found.config is None:
+        return None, "the checkpoint holds no config: the model cannot be rebuilt"
+    try:
+        return config_from_saved(
+            found.config, [], source=str(found.path), trust_code=trust_code
+        ), None
+    except UntrustedConfigError as e:
+        if "_target_" in e.key:
+            return None, (
+                f"the checkpoint's config names {e.key}={e.value!r}, which does not ship with "
+                "ampctl: it is not imported (a checkpoint is data); add --trust-code to replay"
+            )
+        return None, (
+            f"the checkpoint's config holds an interpolation at {e.key} ({e.value!r}): a saved "
+            "config is data and nothing in it is evaluated, so the replay is skipped"
+        )
+    except ConfigError as e:
+        return None, f"the checkpoint's config is not valid: {first_line(e)}"
+
+
+def _saved_number(config: dict[str, Any] | None, group: str, key: str) -> float | None:
+    node = (config or {}).get(group)
+    v = node.get(key) if isinstance(node, dict) else None
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _settings(found: Found, cfg: Any, scaler: dict[str, Any] | None) -> Settings:
+    gi = (scaler or {}).get("growth_interval")
+    if found.format == "ampctl":
+        if cfg is not None:
+            return Settings(
+                lr=cfg.optim.lr,
+                clip=cfg.optim.clip_grad_norm,
+                clip_known=True,
+                fp32_modules=list(cfg.precision.fp32_modules),
+                growth_interval=gi,
+            )
+        mods = ((found.config or {}).get("precision") or {}).get("fp32_modules")
+        return Settings(
+            lr=_saved_number(found.config, "optim", "lr"),
+            clip=_saved_number(found.config, "optim", "clip_grad_norm"),
+            clip_known=True,
+            fp32_modules=[str(m) for m in mods] if isinstance(mods, list) else [],
+            growth_interval=gi,
+        )
+    lr = None
+    groups = (found.optimizer or {}).get("param_groups") or []
+    if groups and isinstance(groups[0], dict):
+        v = groups[0].get("initial_lr", groups[0].get("lr"))
+        lr = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+    return Settings(lr=lr, clip=None, clip_known=False, fp32_modules=[], growth_interval=gi)
+
+
+# ---------------------------------------------------------------------------- replay
+def _replay(
+    found: Found,
+    cfg: Any,
+    cfg_reason: str | None,
+    problems: list[dict[str, Any]],
+    *,
+    precision: str,
+    dev: torch.device,
+    batches: int,
+    data_file: Path | None,
+) -> dict[str, Any]:
+    if any(p["kind"] in ("nonfinite_weights", "nonfinite_master") for p in problems):
+        return skipped(
+            "the weights are already non-finite: a replay would only propagate the NaN/inf "
+            "(meaningless)",
+            precision,
+            dev,
+        )
+    try:
+        if found.format == "ampctl":
+            if cfg is None:
+                raise ReplaySkipped(cfg_reason)
+            inp = ampctl_input(found, cfg, precision=precision, device=dev, batches=batches)
+        elif found.model_dir is not None:
+            inp = hf_input(
+                found,
+                precision=precision,
+                device=dev,
+                batches=batches,
+                data_file=data_file,
+                scaler=found.scaler,
+            )
+        else:
+            raise ReplaySkipped(
+                f"{found.format}: the checkpoint stores weights but not the model's class, so "
+                "the model cannot be rebuilt without running your code (replay needs an ampctl "
+                "checkpoint or a Hugging Face folder with config.json)"
+            )
+        return run_replay(inp)
+    except ReplaySkipped as e:
+        return skipped(str(e), precision, dev)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _sibling_health(found: Found) -> list[dict[str, Any]]:
+    """Health of the other checkpoints of the same run, newest first."""
+    out = []
+    for p in found.siblings:
+        try:
+            other = readers.read(p, found.format)
+        except (ReaderError, UsageError) as e:
+            out.append(
+                {"path": str(p), "step": None, "healthy": False, "problems": [first_line(e)]}
+            )
+            continue
+        if found.step is not None and other.step is not None and other.step > found.step:
+            continue
+        bad = state_kinds_of(state_health(other)["problems"] + other.problems)
+        out.append({"path": str(p), "step": other.step, "healthy": not bad, "problems": bad})
+    return out
+
+
+# ---------------------------------------------------------------------------- the diagnosis
+def diagnose(
+    path: str | Path,
+    *,
+    batches: int = 2,
+    precision: str | None = None,
+    device: str = "auto",
+    fmt: str | None = None,
+    trust_code: bool = False,
+    data: str | Path | None = None,
+) -> dict[str, Any]:
+    """Diagnose a checkpoint file or folder of any supported format; returns the report (the
+    ``--json`` content, schema in :mod:`ampctl.commands.diagnose.report`).
+
+    Raises :class:`UsageError` for bad input: a missing path, nothing readable, a refused pickle,
+    ``batches < 1``, an unknown ``precision``, ``device`` or ``fmt``. **Syncs** (an offline
+    tool: it reads every tensor)."""
+    dev = check_options(batches, precision, device)
+    data_file = Path(data) if data is not None else None
+    if data_file is not None and not data_file.is_file():
+        raise UsageError(f"--data {str(data)!r} does not exist: give a text file")
+    found = readers.read(path, fmt)
+    if data_file is not None and found.model_dir is None:
+        found.notes.append(
+            f"--data is used for Hugging Face checkpoints only; a {found.format} checkpoint "
+            "replays what its own config or format provides"
+        )
+    replay_precision = precision or found.precision or "fp32"
+    if replay_precision == "bf16" and not bf16_supported(dev):
+        raise UsageError(f"--precision bf16 is not supported on {dev}: use fp16 or fp32")
+
+    state = state_health(found)
+    problems = list(found.problems) + list(state.pop("problems"))
+    cfg, cfg_reason = (None, None)
+    if found.format == "ampctl":
+        cfg, cfg_reason = _trusted_config(found, trust_code)
+
+    branch = branch_of(found.path, found.run_dir) if found.format == "ampctl" else None
+    hist = None
+    if found.run_dir is not None:
+        hist = run_history(
+            found.run_dir, found.step or 0, scaler_history_rows(found), state["scaler"], branch
+        )
+    elif found.history is not None:
+        hist = foreign_history(found.history, found.step)
+    if hist is not None:
+        problems += history_problems(hist, state["scaler"])
+
+    rep = _replay(
+        found,
+        cfg,
+        cfg_reason,
+        problems,
+        precision=replay_precision,
+        dev=dev,
+        batches=batches,
+        data_file=data_file,
+    )
+    if rep["ran"]:
+        problems += replay_problems(rep)
+
+    settings = _settings(found, cfg, state["scaler"])
+    recs = recommend(
+        found.format,
+        settings,
+        found.precision,
+        list(found.fp32_modules),
+        state,
+        hist,
+        rep if rep["ran"] else None,
+        problems,
+        bf16_supported(dev),
+    )
+    own_bad = sorted({p["kind"] for p in problems if p["kind"] in STATE_KINDS})
+    checkpoints = [
+        {"path": str(found.path), "step": found.step, "healthy": not own_bad, "problems": own_bad}
+    ]
+    checkpoints += _sibling_health(found)
+    healthy = [c["path"] for c in checkpoints if c["healthy"]]
+    resume_ck = healthy[0] if healthy else None
+    return build_report(
+        found,
+        state=state,
+        history=hist,
+        replay=rep,
+        problems=problems,
+        recommendations=recs,
+        checkpoints=checkpoints,
+        resume={
+            "checkpoint": resume_ck,
+            "command": resume_command(found.format, resume_ck, recs, len(checkpoints)),
+        },
+        branch=branch,
+    )

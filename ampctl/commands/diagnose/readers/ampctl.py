@@ -1,0 +1,116 @@
+"""ampctl's own checkpoints: ``runs/<run>/checkpoints/step_XXXXXXXX.pt`` (format
+``ampctl-checkpoint/1``), read through :func:`ampctl.train.checkpoint.load_checkpoint`
+(``weights_only=True``). A run folder gives its newest checkpoint and its history; a checkpoint
+inside an archived branch (``branches/NNN-stepS/checkpoints/``) is read with that branch's
+history.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampctl.runlog import RunLayout, is_run_dir
+from ampctl.runlog.layout import CHECKPOINT_NAME, list_checkpoints
+
+from .base import Found, ReaderError
+
+__all__ = ["FORMAT_NAME", "claims", "read", "read_loaded", "resolve"]
+
+FORMAT_NAME = "ampctl"
+
+
+def claims(path: Path) -> bool:
+    """A run folder, its ``checkpoints/`` folder, or a ``step_*.pt`` file."""
+    if path.is_dir():
+        return is_run_dir(path) or bool(list_checkpoints(path))
+    return bool(CHECKPOINT_NAME.match(path.name))
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint file a path stands for (a run folder: its newest checkpoint)."""
+    if path.is_file():
+        return path
+    for d in (path / RunLayout.CHECKPOINTS, path):
+        ckpts = list_checkpoints(d)
+        if ckpts:
+            return ckpts[-1]
+    raise ReaderError(f"{str(path)!r} holds no checkpoint (looked for checkpoints/step_*.pt)")
+
+
+def _run_dir_of(given: Path, ckpt: Path) -> Path | None:
+    if given.is_dir():
+        return given.parent if given.name == RunLayout.CHECKPOINTS else given
+    return ckpt.parent.parent if ckpt.parent.name == RunLayout.CHECKPOINTS else None
+
+
+def read(path: Path) -> Found:
+    from ampctl.train.checkpoint import load_checkpoint
+
+    ckpt = resolve(path)
+    ck = load_checkpoint(ckpt)
+    return read_loaded(ck, ckpt, given=path)
+
+
+def read_loaded(ck: dict[str, Any], ckpt: Path, *, given: Path | None = None) -> Found:
+    """A loaded ampctl checkpoint dict as a :class:`Found`."""
+    missing = [k for k in ("model", "config") if k not in ck]
+    if missing or not isinstance(ck.get("model"), dict):
+        raise ReaderError(
+            f"{str(ckpt)!r} lacks {', '.join(missing) or 'a model state'}: not a complete "
+            "ampctl checkpoint"
+        )
+    prec = ck.get("precision") or {}
+    config = ck.get("config") if isinstance(ck.get("config"), dict) else None
+    weights = {k: v for k, v in ck["model"].items() if isinstance(v, torch.Tensor)}
+    # the optimizer lists the trainable parameters in model order (tied ones once)
+    order = _model_order(ck["model"])
+    masters = ck.get("master")
+    found = Found(
+        format=FORMAT_NAME,
+        path=ckpt,
+        step=int(ck.get("step", 0)),
+        weights=weights,
+        masters=[t for t in masters if isinstance(t, torch.Tensor)]
+        if isinstance(masters, list)
+        else None,
+        optimizer=ck.get("optimizer") if isinstance(ck.get("optimizer"), dict) else None,
+        param_orders=[("model order", order)],
+        scaler=ck.get("scaler") if isinstance(ck.get("scaler"), dict) else None,
+        scaler_kind="ampctl",
+        precision=prec.get("name") or _saved(config, "precision", "name") or "fp32",
+        precision_source="checkpoint",
+        fp32_modules=[str(m) for m in prec.get("exempted", [])],
+        config=config,
+        raw=ck,
+    )
+    run_dir = _run_dir_of(given or ckpt, ckpt)
+    found.run_dir = run_dir if run_dir is not None and run_dir.is_dir() else None
+    found.siblings = [p for p in reversed(list_checkpoints(ckpt.parent)) if p != ckpt]
+    return found
+
+
+def _model_order(sd: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            continue
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if v.numel() and key in seen:
+            continue
+        seen.add(key)
+        out.append((k, tuple(v.shape)))
+    return out
+
+
+def _saved(config: dict[str, Any] | None, group: str, key: str) -> Any:
+    node = (config or {}).get(group)
+    if isinstance(node, dict):
+        v = node.get(key)
+        if isinstance(v, str) and "${" in v:
+            return None  # an interpolation is never evaluated
+        return v
+    return None

@@ -1,0 +1,174 @@
+"""Lightning ``.ckpt`` files (``state_dict``, ``optimizer_states``, ``global_step``, and the
+precision plugin's ``GradScaler`` state under its class name, e.g. ``MixedPrecision``), read with
+``weights_only=True``. A ``version_N`` or ``checkpoints`` folder gives its newest ``.ckpt``. The
+history is the logger's ``metrics.csv`` (CSVLogger) or TensorBoard event files
+(``events.out.tfevents.*``, read through ``tensorboard`` when installed) of the same
+``version_N`` folder.
+
+Lightning's optimizer state is indexed in the order ``configure_optimizers`` listed the
+parameters; the ``state_dict`` order (the module's) is the usual one (``self.parameters()``),
+checked by shape.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import FileNote, ForeignHistory, Found, NotACheckpoint, float_tensors, load_torch
+from .plain import is_optimizer_state, is_scaler_state
+
+__all__ = ["FORMAT_NAME", "claims", "read", "read_loaded", "is_lightning", "history_beside"]
+
+FORMAT_NAME = "lightning"
+
+
+def is_lightning(obj: Any) -> bool:
+    return isinstance(obj, dict) and "state_dict" in obj and "pytorch-lightning_version" in obj
+
+
+def _ckpts(folder: Path) -> list[Path]:
+    found = [p for p in folder.rglob("*.ckpt") if p.is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def claims(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix == ".ckpt"
+    return path.is_dir() and bool(_ckpts(path))
+
+
+def read(path: Path) -> Found:
+    siblings: list[Path] = []
+    if path.is_dir():
+        ckpts = _ckpts(path)
+        if not ckpts:
+            raise NotACheckpoint(f"{str(path)!r} holds no .ckpt file")
+        path, siblings = ckpts[0], ckpts[1:]
+    obj = load_torch(path)
+    if not is_lightning(obj):
+        raise NotACheckpoint(
+            f"{str(path)!r} is not a Lightning checkpoint (no state_dict / "
+            "pytorch-lightning_version)"
+        )
+    found = read_loaded(obj, path)
+    found.siblings = siblings or [
+        p for p in _ckpts(path.parent) if p != path and p.stat().st_mtime <= path.stat().st_mtime
+    ]
+    return found
+
+
+def read_loaded(obj: dict[str, Any], path: Path) -> Found:
+    sd = obj.get("state_dict") or {}
+    found = Found(format=FORMAT_NAME, path=path, weights=float_tensors(sd))
+    found.param_orders = [
+        (
+            "state_dict order",
+            [
+                (k, tuple(v.shape))
+                for k, v in sd.items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+            ],
+        )
+    ]
+    step = obj.get("global_step")
+    found.step = step if isinstance(step, int) else None
+    opts = [o for o in obj.get("optimizer_states") or [] if is_optimizer_state(o)]
+    if opts:
+        found.optimizer = opts[0]
+        if len(opts) > 1:
+            found.notes.append(f"{len(opts)} optimizers: the first is checked")
+    for key, v in obj.items():
+        if is_scaler_state(v):
+            found.scaler, found.scaler_kind = v, "GradScaler"
+            found.precision, found.precision_source = "fp16", f"{key} (GradScaler: 16-mixed)"
+            break
+    found.files.append(FileNote(path.name, True, "state_dict, optimizer_states, scaler"))
+    found.history = history_beside(path)
+    return found
+
+
+# ---------------------------------------------------------------------------- history
+def _version_dir(ckpt: Path) -> Path | None:
+    for d in (ckpt.parent, ckpt.parent.parent):
+        if (d / "metrics.csv").is_file() or any(d.glob("events.out.tfevents.*")):
+            return d
+    return None
+
+
+def history_beside(ckpt: Path) -> ForeignHistory | None:
+    d = _version_dir(ckpt)
+    if d is None:
+        return None
+    if (d / "metrics.csv").is_file():
+        return _csv_history(d / "metrics.csv")
+    return _tb_history(d)
+
+
+def _role(name: str) -> str | None:
+    low = name.lower()
+    if "grad" in low and "norm" in low:
+        return "grad_norm"
+    if low.startswith("lr") or "learning_rate" in low or low.startswith("lr-"):
+        return "learning_rate"
+    if "loss" in low and not low.startswith(("val", "test", "eval")):
+        return "loss"
+    return None
+
+
+def _pick(columns: list[str]) -> dict[str, str]:
+    """role -> column; for the loss prefer ``train_loss_step`` / ``train_loss`` / ``loss``."""
+    out: dict[str, str] = {}
+    for c in sorted(columns, key=lambda c: (not c.endswith("_step"), c.endswith("_epoch"), len(c))):
+        role = _role(c)
+        if role and role not in out:
+            out[role] = c
+    return out
+
+
+def _float(x: Any) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _csv_history(path: Path) -> ForeignHistory | None:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return None
+    cols = _pick(list(rows[0].keys()))
+    merged: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        step = _float(r.get("step"))
+        if step is None or not math.isfinite(step):
+            continue
+        row = merged.setdefault(int(step), {"step": int(step)})
+        for role, col in cols.items():
+            v = _float(r.get(col)) if r.get(col) not in (None, "") else None
+            if v is not None:
+                row[role] = v
+    return ForeignHistory(source=str(path), rows=[merged[s] for s in sorted(merged)], columns=cols)
+
+
+def _tb_history(d: Path) -> ForeignHistory | None:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return ForeignHistory(
+            source=str(d),
+            notes=["TensorBoard events found but not read: pip install tensorboard"],
+        )
+    acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
+    acc.Reload()
+    cols = _pick(acc.Tags().get("scalars", []))
+    merged: dict[int, dict[str, Any]] = {}
+    for role, tag in cols.items():
+        for ev in acc.Scalars(tag):
+            merged.setdefault(int(ev.step), {"step": int(ev.step)})[role] = float(ev.value)
+    return ForeignHistory(source=str(d), rows=[merged[s] for s in sorted(merged)], columns=cols)

@@ -1,0 +1,546 @@
+"""Part 3 of a diagnosis: replay a few batches forward and backward with hooks on every module.
+
+Each batch runs once in fp32 (the reference: true, unscaled gradients; tells whether a
+non-finite forward is a precision problem at all) and once in the run's precision with the loss
+scaled as the run scaled it: per-module activation headroom, the first module with a non-finite
+output in forward and in backward (intentional ``-inf`` attention masks are not faults), gradient
+underflow at the current scale and the headroom of the largest scaled gradient.
+
+What is replayed (:class:`ReplayInput`) comes from the checkpoint without running foreign code:
+
+* ampctl: the model and data rebuilt from the saved config, *after* the trust rule
+  (:func:`ampctl.config.config_from_saved`: a ``_target_`` that does not ship with ampctl needs
+  ``--trust-code``; an interpolation is never evaluated); the batches the run was about to see;
+* Hugging Face: the model rebuilt from ``config.json`` by transformers' Auto classes
+  (``trust_remote_code=False``, local files only), synthetic token batches within the
+  vocabulary (labelled as such), or ``--data FILE`` tokenized by the tokenizer saved beside it.
+
+Other formats store weights without the model's class: their replay is skipped with the reason.
+
+Gradient figures: an element underflows when ``|g| * scale < 2**-24``; ``S* = 65504 / max|g|``
+and the recommended ``init_scale`` is :func:`ampctl.amp.formats.recommended_init_scale`.
+``max|g|`` covers the parameter gradients and the gradients flowing between modules that run in
+fp16. **Syncs** once per batch and pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampctl.amp import PrecisionPolicy, nonfinite_tensor_names
+from ampctl.amp.formats import (
+    FP16_MAX,
+    FP16_SUBNORMAL,
+    dtype_max,
+    ideal_scale,
+    recommended_init_scale,
+)
+from ampctl.amp.locate import ModuleTrace, first_bad, trace_modules
+from ampctl.errors import first_line
+
+from .common import finite
+
+__all__ = ["ReplayInput", "ReplaySkipped", "run_replay", "skipped"]
+
+_HIST_OFFSET = 160  # frexp exponents of finite fp32 values lie in [-148, 128]
+_HIST_BINS = 300
+
+
+class ReplaySkipped(Exception):
+    """The replay cannot run; the message is the one-line reason."""
+
+
+@dataclass
+class ReplayInput:
+    """Everything a replay needs, built from a checkpoint without running foreign code."""
+
+    model: nn.Module  # fp32, weights loaded, on ``device``
+    batches: list[dict[str, torch.Tensor]]
+    positions: list[int]
+    precision: str
+    device: torch.device
+    scale: float
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    accum: int = 1
+    seed: int = 0
+    fp32_modules: list[str] = field(default_factory=list)
+    exempt: list[str] = field(default_factory=list)
+    data: str = "the run's next batches"
+
+
+def skipped(reason: str, precision: str | None, device: torch.device | str) -> dict[str, Any]:
+    return {"ran": False, "reason": reason, "precision": precision, "device": str(device)}
+
+
+# ---------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The same dropout masks for the fp32 and the low-precision replay of a batch; the caller's
+    RNG state is left as it was. Also quiets torch's note that hooks on modules returning a
+    model-output object see no backward (those modules are covered by their children)."""
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        warnings.catch_warnings(),
+    ):
+        warnings.filterwarnings("ignore", message="For backward hooks to be called")
+        torch.manual_seed(seed)
+        yield
+
+
+def _grad_figures(grads: list[torch.Tensor], scale: float, device: torch.device) -> torch.Tensor:
+    """[elements, zeros, nonfinite, max |g|, underflow at ``scale`` (zeros included), exponent
+    histogram...] of unscaled gradients, on the device (no host read)."""
+    elems = torch.zeros((), dtype=torch.float64, device=device)
+    zeros, bad, under = elems.clone(), elems.clone(), elems.clone()
+    amax = torch.zeros((), dtype=torch.float32, device=device)
+    hist = torch.zeros(_HIST_BINS, dtype=torch.float64, device=device)
+    threshold = FP16_SUBNORMAL / scale
+    for g in grads:
+        g = g.detach().float().reshape(-1).to(device)
+        fin = torch.isfinite(g)
+        mag = torch.where(fin, g, torch.zeros((), device=device)).abs()
+        elems += g.numel()
+        zeros += (g == 0).sum()
+        bad += (~fin).sum()
+        under += ((mag < threshold) & fin).sum()
+        amax = torch.maximum(amax, mag.max())
+        nz = mag[(mag > 0)]
+        if nz.numel():
+            _, exp = torch.frexp(nz)
+            hist += torch.bincount(
+                (exp.long() + _HIST_OFFSET).clamp(0, _HIST_BINS - 1), minlength=_HIST_BINS
+            ).double()
+    return torch.cat([torch.stack([elems, zeros, bad, amax.double(), under]), hist])
+
+
+def _lost_at(hist: list[float], nonzero: float, scale: float) -> float:
+    """Fraction of non-zero elements with |g| * scale < 2**-24, for a power-of-two scale."""
+    if nonzero <= 0:
+        return 0.0
+    k = -24 - math.log2(scale)  # |g| < 2**k  <=>  frexp exponent <= k (k an integer)
+    return sum(hist[: max(0, min(_HIST_BINS, math.floor(k) + _HIST_OFFSET + 1))]) / nonzero
+
+
+def _bad_backward(t: ModuleTrace) -> bool:
+    return t.nan or t.posinf or t.neginf  # no gradient is -inf on purpose
+
+
+def _where(t: ModuleTrace, batch: int, position: int) -> dict[str, Any]:
+    return {
+        "module": t.name,
+        "batch": batch,
+        "position": position,
+        "nan": t.nan,
+        "posinf": t.posinf,
+        "neginf": t.neginf,
+        "dtype": t.dtype,
+    }
+
+
+def _params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    seen: set[int] = set()
+    out = []
+    for n, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((n, p))
+    return out
+
+
+def _loss(model: nn.Module, b: dict[str, torch.Tensor], autocast: Any, out: list, accum: int):
+    from ampctl.train.builders import extract_loss
+
+    with autocast():
+        o = model(**b)
+    loss = extract_loss(o).float()
+    out.append(loss.detach())
+    return loss / accum  # a micro-batch, as the trainer backpropagates it
+
+
+# ---------------------------------------------------------------------------- the passes
+def _reference_pass(inp: ReplayInput) -> dict[str, Any]:
+    """fp32: true gradients, and whether the forward is finite without low precision."""
+    model, losses, bad, bwds, figs = inp.model, [], [], [], []
+    params = [p for _, p in _params(model)]
+    for i, b in enumerate(inp.batches):
+        model.zero_grad(set_to_none=True)
+        with _seeded(inp.seed + inp.positions[i], inp.device):
+            fwd, bwd = trace_modules(
+                model,
+                lambda b=b: _loss(model, b, contextlib.nullcontext, losses, inp.accum),
+                backward=True,
+            )
+        bad.append(first_bad(fwd) is not None)
+        bwds.append(bwd)
+        figs.append(
+            _grad_figures([p.grad for p in params if p.grad is not None], inp.scale, inp.device)
+        )
+    model.zero_grad(set_to_none=True)
+    return {"losses": losses, "module_bad": bad, "bwd": bwds, "figs": figs}
+
+
+def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
+    policy = PrecisionPolicy(
+        name=inp.precision, fp32_modules=list(inp.fp32_modules), device_type=inp.device.type
+    )
+    exempted: list[str] = []
+    try:
+        for n in inp.exempt:
+            if policy.exempt(inp.model, n):
+                exempted.append(n)
+        policy.prepare(inp.model)
+    except (AttributeError, ValueError) as e:
+        raise ReplaySkipped(
+            f"the checkpoint's fp32 modules do not fit the model: {first_line(e)}"
+        ) from None
+    exempted = list(dict.fromkeys(list(getattr(policy, "exempted", [])) + exempted))
+    return policy, exempted
+
+
+def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> dict[str, Any]:
+    """The run's precision, with hooks: module headroom, first non-finite forward/backward."""
+    model, scale = inp.model, inp.scale
+    named = _params(model)
+    st: dict[str, Any] = {
+        "losses": [],
+        "modules": {},
+        "masked": [],
+        "fwd_first": None,
+        "bwd_first": None,
+        "low_grad_modules": set(),
+        "act_scaled_max": 0.0,
+        "figs": [],
+        "nonfinite_params": [],
+    }
+    for i, b in enumerate(inp.batches):
+        model.zero_grad(set_to_none=True)
+        with _seeded(inp.seed + inp.positions[i], inp.device):
+            fwd, bwd = trace_modules(
+                model,
+                lambda b=b: _loss(model, b, policy.autocast, st["losses"], inp.accum) * scale,
+                backward=True,
+            )
+        for t in fwd:
+            m = st["modules"].setdefault(
+                t.name, {"name": t.name, "dtype": t.dtype, "amax": 0.0, "bad": False}
+            )
+            m["amax"] = max(m["amax"], t.amax)
+            m["bad"] = m["bad"] or t.bad
+            if t.neginf and not t.bad and t.name not in st["masked"]:
+                st["masked"].append(t.name)
+        fb = first_bad(fwd)
+        if fb is not None and st["fwd_first"] is None:
+            st["fwd_first"] = (fb, i)
+        bb = next((t for t in bwd if _bad_backward(t)), None)
+        if bb is not None and st["bwd_first"] is None:
+            st["bwd_first"] = _where(bb, i, inp.positions[i])
+        for t in bwd:
+            if t.dtype == low:
+                st["low_grad_modules"].add(t.name)
+                if not _bad_backward(t):
+                    st["act_scaled_max"] = max(st["act_scaled_max"], t.amax)
+        grads = [p.grad for _, p in named if p.grad is not None]
+        st["figs"].append(_grad_figures([g.float() / scale for g in grads], scale, inp.device))
+        for n in nonfinite_tensor_names((n, p.grad) for n, p in named):
+            if n not in st["nonfinite_params"]:
+                st["nonfinite_params"].append(n)
+    model.zero_grad(set_to_none=True)
+    return st
+
+
+def _gradients(
+    inp: ReplayInput, ref: dict[str, Any], low: dict[str, Any], ref_vals: list, low_vals: list
+) -> dict[str, Any]:
+    """Gradient figures over all replayed batches (the fp32 reference: true gradients)."""
+    elems = sum(v[0] for v in ref_vals)
+    zeros = sum(v[1] for v in ref_vals)
+    bad = sum(v[2] for v in ref_vals)
+    max_param = max((v[3] for v in ref_vals), default=0.0)
+    under = sum(v[4] for v in ref_vals)
+    hist = [sum(v[5 + j] for v in ref_vals) for j in range(_HIST_BINS)]
+    nonzero = elems - zeros - bad
+    max_act = max(
+        (
+            t.amax
+            for bwd in ref["bwd"]
+            for t in bwd
+            if t.name in low["low_grad_modules"] and math.isfinite(t.amax)
+        ),
+        default=0.0,
+    )
+    max_abs = max(max_param, max_act)
+    ideal = ideal_scale(max_abs)
+    rec = recommended_init_scale(max_abs, min_scale=inp.min_scale, max_scale=inp.max_scale)
+    max_scaled = max_abs * inp.scale
+    lost = (under - zeros) / nonzero if nonzero > 0 else 0.0
+    return {
+        "scale": inp.scale,
+        "max_abs": max_abs,
+        "max_abs_param": max_param,
+        "max_abs_activation": max_act,
+        "max_scaled": max_scaled,
+        "headroom_log2": math.log2(FP16_MAX / max_scaled) if max_scaled > 0 else math.inf,
+        "max_scaled_replay": max(
+            max((v[3] for v in low_vals), default=0.0) * inp.scale, low["act_scaled_max"]
+        ),
+        "underflow_frac": under / elems if elems else 0.0,
+        "zero_frac": zeros / elems if elems else 0.0,
+        "zero_frac_replay": sum(v[1] for v in low_vals) / max(sum(v[0] for v in low_vals), 1),
+        "lost_frac": max(lost, 0.0),
+        "lost_frac_at_recommended": _lost_at(hist, nonzero, rec),
+        "ideal_scale": ideal,
+        "recommended_init_scale": rec,
+        "nonfinite_params": low["nonfinite_params"],
+    }
+
+
+def run_replay(inp: ReplayInput) -> dict[str, Any]:
+    """Replay ``inp.batches`` in fp32 and in ``inp.precision``; the report's part 3."""
+    t0 = time.perf_counter()
+    ref = _reference_pass(inp)
+    policy, exempted = _prepare_policy(inp)
+    low_dtype = str(policy.compute_dtype).replace("torch.", "")
+    low = _precision_pass(inp, policy, low_dtype)
+    vals = torch.stack(ref["figs"] + low["figs"]).cpu().tolist()  # the one read of the figures
+    ref_vals, low_vals = vals[: len(ref["figs"])], vals[len(ref["figs"]) :]
+    loss_ref = torch.stack(ref["losses"]).double().cpu().tolist()
+    loss_low = torch.stack(low["losses"]).double().cpu().tolist()
+    fwd_first = None
+    if low["fwd_first"] is not None:
+        t, i = low["fwd_first"]
+        fp32_finite = not ref["module_bad"][i] and math.isfinite(loss_ref[i])
+        fwd_first = {**_where(t, i, inp.positions[i]), "fp32_finite": fp32_finite}
+    scaled = policy.compute_dtype == torch.float16
+    limit = dtype_max(policy.compute_dtype)
+    modules = []
+    for m in low["modules"].values():
+        m["headroom_log2"] = math.log2(limit / m["amax"]) if m["amax"] > 0 else math.inf
+        modules.append(m)
+    return {
+        "ran": True,
+        "reason": None,
+        "precision": inp.precision,
+        "device": str(inp.device),
+        "data": inp.data,
+        "positions": inp.positions,
+        "scale": inp.scale,
+        "limit": limit,
+        "loss": loss_low,
+        "loss_fp32": loss_ref,
+        "modules": modules,
+        "masked_modules": low["masked"],
+        "forward_first_bad": fwd_first,
+        "backward_first_bad": low["bwd_first"],
+        "gradients": _gradients(inp, ref, low, ref_vals, low_vals) if scaled else None,
+        "exempted": exempted,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+# ---------------------------------------------------------------------------- inputs
+def replay_scale(scaler: dict[str, Any] | None, precision: str, fallback: float) -> float:
+    """The scale the run would use next: the checkpoint's (when it is a usable number), else
+    ``fallback`` (the configured init scale). 1.0 for precisions without loss scaling."""
+    if PrecisionPolicy(name=precision).compute_dtype != torch.float16:
+        return 1.0
+    scale = (scaler or {}).get("scale") if (scaler or {}).get("enabled", False) else None
+    return float(scale) if finite(scale) and scale > 0 else float(fallback)
+
+
+def ampctl_input(
+    found: Any, cfg: Any, *, precision: str, device: torch.device, batches: int
+) -> ReplayInput:
+    """An ampctl checkpoint's replay: model and data from its (trusted) config."""
+    from ampctl.errors import UsageError
+    from ampctl.train.builders import build_data_source, build_model
+
+    ck = found.raw
+    try:
+        with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the RNG alone
+            model = build_model(cfg)
+        model.load_state_dict(ck["model"])
+    except (UsageError, RuntimeError) as e:
+        raise ReplaySkipped(
+            f"the model cannot be rebuilt from the checkpoint: {first_line(e)}"
+        ) from None
+    if ck.get("master") is not None:
+        params = [p for _, p in _params(model)]
+        if len(params) != len(ck["master"]):
+            raise ReplaySkipped(
+                f"master weights do not fit the model: {len(ck['master'])} master tensors for "
+                f"{len(params)} parameters"
+            )
+        with torch.no_grad():
+            for p, m in zip(params, ck["master"], strict=True):
+                p.copy_(m)
+    model.to(device).train()
+    try:
+        data = build_data_source(cfg)
+    except (UsageError, ValueError) as e:
+        raise ReplaySkipped(f"the data cannot be rebuilt: {first_line(e)}") from None
+    start = int((ck.get("data") or {}).get("position", 0))
+    positions = [start + i for i in range(batches)]
+    sc = ck.get("scaler") if isinstance(ck.get("scaler"), dict) else {}
+    return ReplayInput(
+        model=model,
+        batches=[{k: v.to(device) for k, v in data.batch_at(p).items()} for p in positions],
+        positions=positions,
+        precision=precision,
+        device=device,
+        scale=replay_scale(sc, precision, cfg.scaler.init_scale),
+        min_scale=float(sc.get("min_scale", cfg.scaler.min_scale)),
+        max_scale=float(sc.get("max_scale", cfg.scaler.max_scale)),
+        accum=int(cfg.trainer.grad_accum_steps),
+        seed=int(cfg.trainer.seed),
+        fp32_modules=list(cfg.precision.fp32_modules),
+        exempt=list(found.fp32_modules),
+    )
+
+
+def hf_input(
+    found: Any,
+    *,
+    precision: str,
+    device: torch.device,
+    batches: int,
+    data_file: Path | None,
+    scaler: dict[str, Any] | None,
+) -> ReplayInput:
+    """A Hugging Face checkpoint's replay: the model from ``config.json`` (Auto classes,
+    ``trust_remote_code=False``, local only) with the checkpoint's weights; synthetic token
+    batches within the vocabulary, or ``data_file`` through the saved tokenizer."""
+    from .readers.hf import auto_class_for
+
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ReplaySkipped(
+            "rebuilding a Hugging Face model needs transformers: pip install transformers"
+        ) from None
+    try:
+        config = AutoConfig.from_pretrained(
+            str(found.model_dir), trust_remote_code=False, local_files_only=True
+        )
+        cls = auto_class_for(config)
+        with torch.random.fork_rng(devices=[]):
+            model = cls.from_config(config, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - remote code refused, unknown model type ...
+        raise ReplaySkipped(
+            f"the model cannot be rebuilt from config.json without running code from the "
+            f"folder (trust_remote_code=False): {first_line(e)}"
+        ) from None
+    missing, unexpected = model.load_state_dict(found.weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not _is_tied(model, k)]
+    if missing:
+        raise ReplaySkipped(
+            f"the checkpoint's weights do not fit {type(model).__name__}: {len(missing)} "
+            f"missing, first {missing[0]}"
+        )
+    model.float().to(device).train()
+    batch_list, label = _hf_batches(config, found.model_dir, batches, device, data_file)
+    return ReplayInput(
+        model=model,
+        batches=batch_list,
+        positions=list(range(len(batch_list))),
+        precision=precision,
+        device=device,
+        scale=replay_scale({"enabled": True, **(scaler or {})}, precision, 2.0**16),
+        data=label,
+    )
+
+
+def _is_tied(model: nn.Module, key: str) -> bool:
+    """A parameter that shares storage with another one (tied embeddings)."""
+    try:
+        p = model.get_parameter(key)
+    except AttributeError:
+        return False
+    return sum(1 for q in model.parameters(remove_duplicate=False) if q is p) > 1
+
+
+_BATCH, _SEQ = 2, 32
+
+
+def _hf_batches(
+    config: Any, model_dir: Path, n: int, device: torch.device, data_file: Path | None
+) -> tuple[list[dict[str, torch.Tensor]], str]:
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab <= 0:
+        raise ReplaySkipped("config.json has no vocab_size: cannot make token batches")
+    seq = min(_SEQ, int(getattr(config, "max_position_embeddings", _SEQ) or _SEQ))
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if data_file is not None:
+        tokens = _tokenize(model_dir, data_file, n * _BATCH * seq)
+        label = f"{data_file} (tokenized by the tokenizer in {model_dir})"
+        if int(tokens.max()) >= vocab:
+            raise ReplaySkipped(
+                f"--data {data_file}: the tokenizer gives ids up to {int(tokens.max())}, beyond "
+                f"the model's vocab_size {vocab}"
+            )
+    else:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (n * _BATCH * seq,), generator=g)
+        label = f"synthetic token batches (uniform ids in [0, {vocab}), seed 0): not the run's data"
+    out = []
+    for i in range(n):
+        ids = tokens[i * _BATCH * seq : (i + 1) * _BATCH * seq].reshape(_BATCH, seq)
+        b = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if arch.endswith(("ForSequenceClassification", "ForMultipleChoice")):
+            labels = int(getattr(config, "num_labels", 2) or 2)
+            b["labels"] = torch.arange(_BATCH) % labels
+        elif arch.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining")):
+            b["labels"] = ids.clone()
+        else:
+            raise ReplaySkipped(
+                f"no loss for architecture {arch or '(none in config.json)'}: replay needs a "
+                "causal-LM, masked-LM or sequence-classification head"
+            )
+        out.append({k: v.to(device) for k, v in b.items()})
+    return out, label
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+)
+
+
+def _tokenize(model_dir: Path, data_file: Path, need: int) -> torch.Tensor:
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise ReplaySkipped(
+            "--data needs the tokenizer saved beside the checkpoint (none of "
+            f"{', '.join(_TOKENIZER_FILES)} in {model_dir})"
+        )
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            str(model_dir), trust_remote_code=False, local_files_only=True
+        )
+    except Exception as e:  # noqa: BLE001 - no tokenizer saved with the checkpoint
+        raise ReplaySkipped(
+            f"--data needs the tokenizer saved beside the checkpoint: {first_line(e)}"
+        ) from None
+    text = Path(data_file).read_text(errors="replace")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < need:
+        if not ids:
+            raise ReplaySkipped(f"--data {data_file}: no tokens")
+        ids = (ids * (need // len(ids) + 1))[:need]
+    return torch.tensor(ids[:need], dtype=torch.long)

@@ -1,0 +1,85 @@
+"""Pictures of a run or a sweep: ``ampctl plot RUN_OR_SWEEP``.
+
+A run: one PNG with aligned panels over the step axis -- loss (a baseline run's loss overlaid),
+loss scale on a log2 axis with the skipped steps marked, the windowed overflow rate with a tick
+per overflow event, gradient norm and underflow fraction (two y-axes) -- and a vertical marker
+for every guard decision (rollback, promotion, fallback, abort, interrupt) across all panels.
+
+A sweep (a folder with ``results.json`` from ``ampctl sweep-scale``): a heat map of a ranking
+metric over init_scale x growth_interval (failed trials marked), and every trial's scale and loss
+trajectory overlaid.
+
+Everything is read from the folder alone (``metrics.jsonl``, ``events.jsonl``, ``summary.json``,
+and the latest checkpoint's scaler history when there is one), so plots work on runs copied from
+another machine. Skipped steps come from that history (exact steps) when the checkpoint is there
+and agrees with the events; otherwise from differences of the cumulative ``skipped`` counter in
+the metrics (one marker per log interval that had skips).
+
+Nothing here touches a device: checkpoints are memory-mapped on the CPU. matplotlib is imported
+lazily and only its Agg canvas is used (no pyplot, no display); without matplotlib the
+functions raise :class:`PlotUnavailable` with an install hint, and :func:`maybe_plot_run` (what
+``ampctl train`` calls at the end) returns that hint instead of raising.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ampctl.errors import UsageError
+
+from .common import HINT, PlotUnavailable, _mpl
+from .run_data import RunData, SkipMark, load_run_data
+from .run_figure import build_run_figure, plot_run
+from .sweep_figure import SWEEP_METRICS, build_sweep_figure, plot_sweep
+
+__all__ = [
+    "HINT",
+    "PlotUnavailable",
+    "RunData",
+    "SkipMark",
+    "load_run_data",
+    "build_run_figure",
+    "build_sweep_figure",
+    "plot_run",
+    "plot_sweep",
+    "maybe_plot_run",
+    "run_plot",
+    "SWEEP_METRICS",
+]
+
+
+def maybe_plot_run(run_dir: str | Path) -> Path | str:
+    """What ``ampctl train`` calls at the end (and after Ctrl-C) when ``logging.plot`` is true:
+    writes ``<run>/plot.png`` and returns its path, or returns a one-line message instead of
+    raising when matplotlib is missing, there is nothing to draw yet (no metrics rows), or the
+    PNG cannot be written (OSError: disk full, read-only folder): a finished run never fails
+    because of its picture. No device reads."""
+    try:
+        return plot_run(run_dir)
+    except PlotUnavailable as e:
+        return str(e)
+    except UsageError as e:
+        return f"no plot: {e}"
+    except OSError as e:
+        return f"no plot: writing {Path(run_dir) / 'plot.png'} failed: {e.strerror or e}"
+
+
+def run_plot(path: Path, out: Path | None = None, baseline: Path | None = None) -> int:
+    """``ampctl plot PATH [--out FILE] [--baseline RUN]``: a sweep folder (has results.json) or
+    a run folder. Prints the written path; returns 0. Bad input -> UsageError (exit 2)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(
+            f"{str(path)!r} does not exist: give a run folder (with metrics.jsonl) or a sweep folder (with results.json)"
+        )
+    _mpl()  # the install hint before any reading
+    if path.is_dir() and (path / "results.json").is_file():
+        if baseline is not None:
+            raise UsageError(
+                f"--baseline applies to a run folder; {str(path)!r} is a sweep folder (it has results.json)"
+            )
+        written = plot_sweep(path, out)
+    else:
+        written = plot_run(path, out, baseline=baseline)
+    print(f"wrote {written}")
+    return 0

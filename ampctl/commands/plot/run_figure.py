@@ -1,0 +1,278 @@
+"""The run's figure: aligned panels over the step axis."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ampctl.runlog import RunLayout, describe_lineage, read_jsonl
+
+from .common import (
+    EVENT_STYLE,
+    RESTORING,
+    _check_out,
+    _draw_series,
+    _fmt_scale,
+    _kept,
+    _mpl,
+    _num,
+    _save,
+    _split_kept,
+)
+from .run_data import RunData, load_run_data
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+
+def _title(data: RunData) -> str:
+    s = data.summary or {}
+    last = data.rows[-1]
+    steps = s.get("steps", last.get("step"))
+    mx = s.get("max_steps", last.get("max_steps"))
+    skipped = s.get("skipped", last.get("skipped"))
+    prec = s.get("precision", last.get("precision", "?"))
+    scale = s.get("final_scale", last.get("scale"))
+    parts = [data.name, str(prec)]
+    if s.get("status"):
+        parts.append(str(s["status"]))
+    parts.append(f"step {steps}/{mx}" if mx else f"step {steps}")
+    parts.append(f"{skipped} skipped")
+    if scale is not None:
+        parts.append(f"final scale {_fmt_scale(_num(scale))}")
+    promoted = s.get("promoted_modules")
+    if promoted:
+        parts.append("promoted to fp32: " + ", ".join(promoted))
+    lineage = describe_lineage(RunLayout(data.run_dir))
+    return " | ".join(parts) + ("" if lineage == "main line" else f"\n{lineage}")
+
+
+def _event_lines(axes, data: RunData) -> None:
+    """Vertical markers for guard decisions on every panel; the replayed range of each
+    rollback/fallback lightly shaded."""
+    restore_iter = iter(data.restores)
+    for ev in data.events:
+        kind = ev.get("kind")
+        if kind not in EVENT_STYLE:
+            continue
+        color, ls = EVENT_STYLE[kind]
+        x = _num(ev.get("step"))
+        span = None
+        if kind in RESTORING:
+            frm, to, _, _ = next(restore_iter, (x, x, kind, 0))
+            x, span = frm, (to, frm)
+        for i, ax in enumerate(axes):
+            ax.axvline(
+                x,
+                color=color,
+                linestyle=ls,
+                linewidth=1.1,
+                alpha=0.85,
+                label=kind if i == 0 else None,
+                gid=f"event:{kind}",
+            )
+            if span is not None and span[0] < span[1]:
+                ax.axvspan(span[0], span[1], color=color, alpha=0.07, linewidth=0)
+
+
+def _loss_panel(ax_loss, data: RunData, base: RunData | None, branches: bool) -> None:
+    """1) loss, with the baseline and the branches a resume set aside overlaid."""
+    xs, ys, kept = data.series("loss")
+    _draw_series(ax_loss, xs, ys, kept, label=f"loss ({data.name})", color="tab:blue")
+    if base is not None:
+        bx, by, bk = base.series("loss")
+        bkx, bky, _ = _split_kept(bx, by, bk)
+        ax_loss.plot(
+            bkx,
+            bky,
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"baseline loss ({base.name})",
+            gid="baseline",
+        )
+    ax_loss.set_ylabel("loss")
+
+    if branches:
+        _branch_losses(ax_loss, data)
+
+
+def _branch_losses(ax_loss, data: RunData) -> None:
+    """The loss of each branch a resume set aside (``branches/``), dotted, from its fork."""
+    for b in data.branches:
+        rows = [
+            r for r in read_jsonl(RunLayout(b.path).metrics) if math.isfinite(_num(r.get("step")))
+        ]
+        before = [r for r in data.rows if _num(r.get("step")) <= b.forked_at_step]
+        pts = ([before[-1]] if before else []) + rows
+        ax_loss.plot(
+            [_num(r.get("step")) for r in pts],
+            [_num(r.get("loss")) for r in pts],
+            color="tab:gray",
+            linestyle=(0, (1, 1.5)),
+            linewidth=1.2,
+            label=f"set-aside branch {b.name} (resumed from step {b.forked_at_step})",
+            gid=f"branch:{b.name}",
+        )
+
+
+def _scale_panel(ax_scale, data: RunData) -> None:
+    """2) loss scale (log2) and the skipped steps."""
+    _draw_series(
+        ax_scale,
+        data.scale_steps,
+        data.scale_values,
+        _kept(data.scale_steps),
+        label="loss scale",
+        color="tab:green",
+        step=True,
+        marker="",
+    )
+    exact = [m for m in data.skips if m.exact]
+    approx = [m for m in data.skips if not m.exact]
+    if exact:
+        ax_scale.plot(
+            [m.step for m in exact],
+            [m.scale for m in exact],
+            linestyle="none",
+            marker="v",
+            color="tab:red",
+            markersize=6,
+            label="skipped step",
+            gid="skips",
+        )
+    if approx:
+        ax_scale.plot(
+            [m.step for m in approx],
+            [m.scale for m in approx],
+            linestyle="none",
+            marker="v",
+            markerfacecolor="none",
+            color="tab:red",
+            markersize=7,
+            label="skips in log interval (count)",
+            gid="skips-interval",
+        )
+        for m in approx:
+            if m.count > 1:
+                ax_scale.annotate(
+                    str(m.count),
+                    (m.step, m.scale),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                    color="tab:red",
+                )
+    ax_scale.set_yscale("log", base=2)
+    ax_scale.set_ylabel("loss scale (log2)")
+
+
+def _rate_panel(ax_rate, data: RunData) -> None:
+    """3) overflow rate over the window, overflow events as ticks along the bottom."""
+    xs, ys, kept = data.series("overflow_rate")
+    _draw_series(ax_rate, xs, ys, kept, label="overflow rate (window)", color="tab:red")
+    ax_rate.set_ylim(-0.02, max(0.1, max((y for y in ys if math.isfinite(y)), default=0.0) * 1.15))
+    trans = ax_rate.get_xaxis_transform()
+    for kind, color in (("gradient", "tab:red"), ("forward", "tab:purple")):
+        steps = [
+            _num(e.get("step"))
+            for e in data.events
+            if e.get("kind") == "overflow" and e.get("overflow", "gradient") == kind
+        ]
+        if steps:
+            ax_rate.plot(
+                steps,
+                [0.0] * len(steps),
+                transform=trans,
+                linestyle="none",
+                marker="|",
+                markersize=10,
+                color=color,
+                label=f"overflow event ({kind})",
+                gid=f"overflow:{kind}",
+                clip_on=False,
+            )
+    from matplotlib.ticker import PercentFormatter
+
+    ax_rate.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    ax_rate.set_ylabel("overflow rate")
+
+
+def _grad_panel(ax_gn, data: RunData) -> Any:
+    """4) gradient norm and underflow fraction (second y-axis); returns the second axis."""
+    xs, ys, kept = data.series("grad_norm")
+    _draw_series(ax_gn, xs, ys, kept, label="grad norm", color="teal")
+    finite = [y for y in ys if math.isfinite(y) and y > 0]
+    if finite and max(finite) / min(finite) > 100:
+        ax_gn.set_yscale("log")
+    ax_gn.set_ylabel("grad norm")
+    ax_uf = ax_gn.twinx()
+    xs, ys, kept = data.series("grad_underflow_frac")
+    _draw_series(ax_uf, xs, ys, kept, label="grad underflow fraction", color="tab:brown")
+    top = max((y for y in ys if math.isfinite(y)), default=0.0)
+    ax_uf.set_ylim(0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
+    from matplotlib.ticker import PercentFormatter
+
+    ax_uf.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    ax_uf.set_ylabel("grad underflow fraction")
+    return ax_uf
+
+
+def build_run_figure(
+    run_dir: str | Path, baseline: str | Path | None = None, *, branches: bool = True
+) -> Figure:
+    """The run's figure (matplotlib Figure on an Agg canvas). Panels, top to bottom, sharing
+    the step axis: loss (a baseline's and the discarded branches' overlaid), loss scale (log2,
+    skipped steps marked), overflow rate (overflow events as ticks), grad norm with the
+    underflow fraction on a second y-axis. Raises UsageError for bad folders and
+    PlotUnavailable without matplotlib. No device reads."""
+    Figure, FigureCanvasAgg = _mpl()
+    from matplotlib.ticker import MaxNLocator
+
+    data = load_run_data(run_dir)
+    base = load_run_data(baseline) if baseline is not None else None
+    fig = Figure(figsize=(10, 9.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_scale, ax_rate, ax_gn = fig.subplots(
+        4, 1, sharex=True, height_ratios=[3, 3, 2, 2.4]
+    )
+    _loss_panel(ax_loss, data, base, branches)
+    _scale_panel(ax_scale, data)
+    _rate_panel(ax_rate, data)
+    ax_uf = _grad_panel(ax_gn, data)
+    ax_gn.set_xlabel("step")
+    ax_gn.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _event_lines([ax_loss, ax_scale, ax_rate, ax_gn], data)
+    for ax in (ax_loss, ax_scale, ax_rate, ax_gn):
+        ax.grid(True, alpha=0.25)
+
+    handles, labels = [], []
+    for ax in (ax_loss, ax_scale, ax_rate, ax_gn, ax_uf):
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(_title(data), fontsize=10)
+    src = {
+        "history": "exact steps (checkpoint scaler history)",
+        "metrics": "per log interval (metrics.jsonl)",
+    }
+    note = "skipped steps: " + src.get(
+        data.skip_source, "exact steps, plus per log interval where the history ends"
+    )
+    ax_scale.set_title(note, loc="right", fontsize=7, color="gray", pad=2)
+    return fig
+
+
+def plot_run(
+    run_dir: str | Path, out: str | Path | None = None, baseline: str | Path | None = None
+) -> Path:
+    """Draw a run folder into ``out`` (default ``<run>/plot.png``); returns the path. Written
+    atomically (a temp file renamed over the target)."""
+    run_dir = Path(run_dir)
+    if out is not None:
+        _check_out(Path(out))  # before any drawing
+    fig = build_run_figure(run_dir, baseline=baseline)
+    return _save(fig, Path(out) if out is not None else run_dir / "plot.png")

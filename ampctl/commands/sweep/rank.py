@@ -1,0 +1,247 @@
+"""Pure results logic: loss gaps, divergence, ranking, promotion to the next rung, the
+recommended command and the data-driven scale estimate. Functions of rows (dicts), no I/O.
+
+Ranking: trials that finished their rung ok, those of the highest rung first; within a rung by
+the loss gap to the reference counted in whole steps of :data:`GAP_TIE` (0.1%): a gap is clipped
+at 0 (a loss below the reference is on track) and truncated, so any gap under +0.1% ties with
+the reference, +0.1% up to +0.2% is the next step, and so on; then fewest skipped steps; then
+speed (steps/s, which also moves with machine load).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from typing import Any
+
+from ampctl.amp.formats import ideal_scale, recommended_init_scale
+from ampctl.runlog import as_number, is_finite_number
+
+from .plan import SCALE_KEYS, SweepPlan, bare
+
+__all__ = [
+    "DIVERGE_GAP",
+    "STOP_GAP",
+    "GAP_TIE",
+    "RANKED",
+    "rank_key",
+    "finalize_rows",
+    "select_promoted",
+    "live_divergence",
+    "recommend",
+    "s_star",
+    "fmt_value",
+]
+
+DIVERGE_GAP = 0.10  # final-loss gap above which a trial that ran the full steps counts as diverged
+STOP_GAP = 0.50  # "far above the reference": stopped at once (any logged step, any rung)
+GAP_TIE = 1e-3  # loss gaps are compared in whole steps of 0.1% when ranking
+RANKED = ("ok", "stopped")  # statuses that are ranked (stopped: not promoted past its rung)
+
+
+def rank_key(row: dict[str, Any]) -> tuple[int, float, float]:
+    """``(gap step, skipped, -steps/s)``, smaller is better (see the module docstring)."""
+    gap = float(row["loss_gap"]) if is_finite_number(row.get("loss_gap")) else 0.0
+    skipped = as_number(row.get("skipped"))
+    speed = as_number(row.get("steps_per_s"))
+    return (
+        math.floor(max(gap, 0.0) / GAP_TIE + 1e-6),  # + 1e-6: 0.002 is step 2, not 1.999...
+        skipped if skipped is not None else math.inf,
+        -(speed if speed is not None and math.isfinite(speed) else 0.0),
+    )
+
+
+def _reference(
+    r: dict[str, Any],
+    by_name: dict[str, dict[str, Any]],
+    trials: list[dict[str, Any]],
+    group: str,
+    references: dict[str, dict[int, float]],
+) -> tuple[float, str] | None:
+    """The loss ``r`` is compared with: its baseline's at the same step, else the lowest loss
+    among the ranked trials of its group at that step."""
+    step = r.get("steps")
+    ref = references.get(group, {}).get(step) if step is not None else None
+    if is_finite_number(ref):
+        return float(ref), group
+    b = by_name.get(group)
+    if b is not None and b["status"] == "ok" and b.get("steps") == step:
+        if is_finite_number(b.get("final_loss")):
+            return float(b["final_loss"]), group
+    peers = [
+        p
+        for p in trials
+        if p["status"] in RANKED
+        and p.get("steps") == step
+        and is_finite_number(p.get("final_loss"))
+        and p.get("_group", "") == group
+    ]
+    if not peers:
+        return None
+    best = min(peers, key=lambda p: float(p["final_loss"]))
+    return float(best["final_loss"]), f"best trial ({best['trial']})"
+
+
+def finalize_rows(
+    rows: list[dict[str, Any]],
+    diverge_gap: float = DIVERGE_GAP,
+    groups: dict[str, str] | None = None,
+    *,
+    references: dict[str, dict[int, float]] | None = None,
+    stop_gap: float = STOP_GAP,
+    top_rung: int | None = None,
+) -> list[str]:
+    """Fill ``reference``, ``reference_loss``, ``loss_gap`` and ``rank`` in place; mark trials whose
+    gap exceeds the limit as diverged (``diverge_gap`` on the last rung -- the full steps --,
+    ``stop_gap`` on earlier rungs). Returns the ranked trial names, best first. Idempotent: the
+    status a row came with is kept aside and the rule applied again on every call.
+
+    ``references[baseline][step]``: the baselines' logged losses; without one at a trial's step
+    the baseline's final loss is used when it ran to that step, else the lowest loss among the
+    ranked trials of the same group at that step."""
+    groups, references = groups or {}, references or {}
+    by_name = {r["trial"]: r for r in rows}
+    trials = [r for r in rows if r["kind"] == "trial"]
+    for r in rows:
+        r["status"] = r.setdefault("_base_status", r["status"])
+        r["reason"] = r.setdefault("_base_reason", r.get("reason"))
+        r["rank"] = None
+        if r["kind"] == "trial":
+            r["_group"] = groups.get(r["trial"], "")
+            r["reference"] = r["reference_loss"] = r["loss_gap"] = None
+    for r in trials:
+        if r["status"] not in RANKED or not is_finite_number(r.get("final_loss")):
+            continue
+        got = _reference(r, by_name, trials, r["_group"], references)
+        if got is None:
+            continue
+        ref, label = got
+        r["reference"], r["reference_loss"] = label, ref
+        r["loss_gap"] = (float(r["final_loss"]) - ref) / abs(ref) if ref != 0 else None
+    for r in trials:
+        last = top_rung is None or r.get("rung", 0) == top_rung
+        limit = diverge_gap if last else stop_gap
+        if r["status"] in RANKED and is_finite_number(r["loss_gap"]) and r["loss_gap"] > limit:
+            r["status"] = "diverged"
+            where = "final loss" if last else f"loss at step {r.get('steps')}"
+            r["reason"] = (
+                f"{where} {r['loss_gap']:+.1%} vs {r['reference']} (threshold +{limit:.0%}"
+                + ("" if last else " before the last rung")
+                + ")"
+            )
+    ranked = sorted(
+        (r for r in trials if r["status"] in RANKED),
+        key=lambda r: (-(r.get("rung") or 0), *rank_key(r)),
+    )
+    for i, r in enumerate(ranked, 1):
+        r["rank"] = i
+    return [r["trial"] for r in ranked]
+
+
+def select_promoted(rows: list[dict[str, Any]], n: int) -> list[str]:
+    """The best ``n`` ok trials of ``rows`` (one rung, after :func:`finalize_rows`), best first,
+    and every further trial that ties with the last of them on loss gap step and skipped steps:
+    at a cut, steps/s -- which moves with machine load -- never decides who stops."""
+    ok = sorted((r for r in rows if r["kind"] == "trial" and r["status"] == "ok"), key=rank_key)
+    keep = ok[: max(n, 0)]
+    if keep:
+        cut = rank_key(keep[-1])[:2]
+        keep += [r for r in ok[len(keep) :] if rank_key(r)[:2] == cut]
+    return [r["trial"] for r in keep]
+
+
+def live_divergence(
+    step: int, loss: Any, reference: float | None, label: str, stop_gap: float = STOP_GAP
+) -> str | None:
+    """Why a trial must stop at once, from one logged row: its loss is not finite, or more than
+    ``stop_gap`` above the reference loss at the same step. None while it is on track (or no
+    reference is known yet)."""
+    v = as_number(loss)
+    if v is None or not math.isfinite(v):
+        return f"stopped at step {step}: loss {loss}"
+    if reference is None or not math.isfinite(reference) or reference <= 0:
+        return None
+    gap = (v - reference) / reference
+    if gap > stop_gap:
+        return (
+            f"stopped at step {step}: loss {v:.4g} is {gap:+.0%} vs {label} ({reference:.4g}; "
+            f"threshold +{stop_gap:.0%})"
+        )
+    return None
+
+
+def fmt_value(v: float | int | str | None) -> str:
+    """A number as an override value (integers without a decimal point)."""
+    v2 = as_number(v)
+    if v2 is None:
+        return str(v)
+    if v2 == int(v2) and abs(v2) < 1e15:
+        return str(int(v2))
+    return repr(v2)
+
+
+def _train_command(plan: SweepPlan, ovr: list[str]) -> str:
+    cd = ["--config-dir", str(plan.config_dir)] if plan.config_dir is not None else []
+    return shlex.join(["ampctl", "train", *ovr, *cd])
+
+
+def recommend(plan: SweepPlan, rows: list[dict[str, Any]], ranking: list[str]) -> dict | None:
+    """The best trial that ran the full steps, as ``ampctl train`` overrides ready to paste."""
+    by_name = {r["trial"]: r for r in rows}
+    best = by_name[ranking[0]] if ranking else None
+    if best is None or best["status"] != "ok" or (best.get("rung") or 0) != plan.top_rung:
+        return None
+    trial = plan.trial(ranking[0])
+    ovr = list(plan.fixed)
+    for k, v in trial.swept.items():
+        ovr.append(f"{k}={v}")
+    for k in SCALE_KEYS:
+        if not any(bare(t.split("=", 1)[0]) == k for t in ovr):
+            ovr.append(f"{k}={fmt_value(getattr(trial.cfg.scaler, k.split('.')[1]))}")
+    return {"trial": trial.name, "overrides": ovr, "command": _train_command(plan, ovr)}
+
+
+def s_star(
+    plan: SweepPlan, rows: list[dict[str, Any]], recommendation: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """``S* = 65504 / max|g|`` over the fp16 rows of the ranked trials, and the init_scale ampctl
+    recommends from it (:func:`ampctl.amp.formats.recommended_init_scale`: S* rounded down to a
+    power of two, halved for a 2x margin, within the scaler's bounds) as a command."""
+    used = [
+        r
+        for r in rows
+        if r["kind"] == "trial"
+        and r["status"] in RANKED
+        and is_finite_number(r.get("max_grad_amax"))
+    ]
+    if not used:
+        return None
+    amax = max(float(r["max_grad_amax"]) for r in used)
+    if amax <= 0:
+        return None
+    value = ideal_scale(amax)
+    ref = plan.trial(recommendation["trial"]) if recommendation else plan.trial(used[0]["trial"])
+    max_scale = max(t.cfg.scaler.max_scale for t in plan.trials if t.kind == "trial")
+    init = recommended_init_scale(
+        amax, min_scale=ref.cfg.scaler.min_scale, max_scale=ref.cfg.scaler.max_scale
+    )
+    base = recommendation["overrides"] if recommendation else list(plan.fixed)
+    ovr = [o for o in base if bare(o.split("=", 1)[0]) != "scaler.init_scale"]
+    ovr.insert(
+        next(
+            (i for i, o in enumerate(base) if bare(o.split("=", 1)[0]) == "scaler.init_scale"),
+            len(ovr),
+        ),
+        f"scaler.init_scale={fmt_value(init)}",
+    )
+    return {
+        "value": value,
+        "exponent": round(math.log2(value), 2),
+        "init_scale": init,
+        "max_grad_amax": amax,
+        "rows": sum(int(r.get("_amax_rows") or 0) for r in used),
+        "trials": len(used),
+        "above_max_scale": value > max_scale,
+        "max_scale": max_scale,
+        "command": _train_command(plan, ovr),
+    }

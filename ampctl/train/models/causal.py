@@ -1,0 +1,160 @@
+"""Pieces shared by the decoder models (:mod:`ampctl.train.models.gpt2`, :mod:`ampctl.train.models.llama`).
+
+* :class:`CausalLMOutput`: ``.loss`` / ``.logits``, also readable as a mapping (HF style).
+* :func:`causal_lm_loss`: the Hugging Face causal-LM loss. ``labels`` are the input ids (or -100
+  where no prediction is wanted); the shift happens here: position ``t`` predicts label
+  ``t + 1``. Cross entropy in fp32 over the positions whose shifted label is not -100.
+* :func:`causal_attention`: scaled dot-product attention with a causal mask and an optional
+  key-padding mask, through ``F.scaled_dot_product_attention`` ("sdpa") or an explicit
+  softmax ("eager"). Both normalise in fp32.
+
+Masking: a query attends to the keys at or before it that are not padding, and always to
+itself, so a padding query (whose label must be -100) still gets a finite output and no row of
+scores is all ``-inf``. The eager path fills masked scores with a real ``-inf``; those values
+are intentional, not overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .bert import MaskedLMOutput
+
+__all__ = [
+    "ATTN_IMPLS",
+    "IGNORE_INDEX",
+    "CausalLMOutput",
+    "causal_lm_loss",
+    "causal_attention",
+    "check_inputs",
+    "require_int",
+    "require_float",
+]
+
+#: Allowed values of a decoder's ``attn_impl``.
+ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput(MaskedLMOutput):
+    """Result of a decoder's ``forward``: ``loss`` (``None`` without labels) and ``logits``
+    [B, T, vocab] in the compute dtype. Attribute and mapping access, as HF's ``ModelOutput``."""
+
+
+def require_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} ({value}) must be >= {minimum}")
+    return value
+
+
+def require_float(name: str, value: Any, *, low: float, high: float | None = None) -> float:
+    """A finite number ``>= low`` (and ``< high`` when given)."""
+    allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    if not math.isfinite(value) or value < low or (high is not None and value >= high):
+        raise ValueError(f"{name} ({value}) must be a finite number {allowed}")
+    return float(value)
+
+
+def check_inputs(
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    labels: Tensor | None,
+    max_position: int | None,
+) -> Tensor | None:
+    """Validate the shapes of a decoder's inputs; returns the mask as bool (or ``None``)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+    if max_position is not None and input_ids.shape[1] > max_position:
+        raise ValueError(
+            f"input_ids has seq_len {input_ids.shape[1]}, more than max_position ({max_position})"
+        )
+    for name, tensor in (("attention_mask", attention_mask), ("labels", labels)):
+        if tensor is not None and tensor.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, "
+                f"expected the shape of input_ids {tuple(input_ids.shape)}"
+            )
+    if attention_mask is None:
+        return None
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean fp32 cross entropy of ``logits[:, t]`` against ``labels[:, t + 1]``, -100 ignored.
+
+    Same as Hugging Face's ``ForCausalLMLoss`` without ``num_items_in_batch``.
+    """
+    vocab = logits.shape[-1]
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, vocab),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+    )
+
+
+def _allowed(seq_len: int, key_mask: Tensor, device: torch.device) -> Tensor:
+    """Bool [B, 1, T, T]: causal and not padding, plus the diagonal."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril_()
+    allowed = causal & key_mask[:, None, None, :]
+    return allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """[B, Hkv, T, D] -> [B, Hkv * groups, T, D], each kv head shared by ``groups`` queries."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    *,
+    scale: float,
+    impl: str,
+    dropout_p: float = 0.0,
+    upcast: bool = False,
+) -> Tensor:
+    """Causal attention of ``q`` [B, H, T, D] over ``k``, ``v`` [B, Hkv, T, D] (``H`` a
+    multiple of ``Hkv``: grouped-query attention); returns [B, H, T, D] in ``v``'s dtype.
+
+    ``key_mask`` is bool [B, T], True for real tokens, or ``None``. ``scale`` multiplies the
+    scores (1/sqrt(D) usually). ``upcast`` computes the scores and the softmax in fp32 with
+    autocast off (GPT-2's ``reorder_and_upcast_attn``), always on the eager path.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    seq_len = q.shape[2]
+    if impl == "sdpa" and not upcast:
+        mask = None if key_mask is None else _allowed(seq_len, key_mask, q.device)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale
+        )
+    if upcast:
+        with torch.autocast(q.device.type, enabled=False):
+            scores = (q.float() * scale) @ k.float().transpose(-2, -1)
+    else:
+        scores = (q * scale) @ k.transpose(-2, -1)
+    if key_mask is None:
+        allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril_()
+    else:
+        allowed = _allowed(seq_len, key_mask, q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))  # intentional -inf
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ v

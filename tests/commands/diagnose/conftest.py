@@ -1,0 +1,61 @@
+"""Checkpoints of every format, written once per session by the real libraries (see makers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ampctl.cli import app
+
+from . import makers
+
+
+@pytest.fixture(scope="session")
+def fmt_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("formats")
+
+
+def _once(root: Path, name: str, make) -> Path:
+    torch.set_num_threads(1)
+    path = root / name
+    if not path.exists():
+        make(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(fmt_root) -> dict[str, Path]:
+    pytest.importorskip("transformers")
+    hf = _once(fmt_root, "hf", makers.make_hf)
+    return {
+        "healthy": hf,
+        "nan": _once(fmt_root, "hf-nan", lambda p: makers.plant_hf(hf, p)),
+        "diverged": _once(fmt_root, "hf-diverged", lambda p: makers.make_hf(p, lr=1e6, steps=6)),
+    }
+
+
+@pytest.fixture(scope="session")
+def plain_files(fmt_root) -> dict[str, Path]:
+    pytest.importorskip("safetensors")
+    return makers.make_plain(fmt_root / "plain")
+
+
+def diagnose_cli(path: Path, *extra: str) -> tuple[int, dict | None, str]:
+    """``ampctl diagnose PATH --json`` in-process: (exit code, report or None, stderr)."""
+    res = CliRunner().invoke(
+        app, ["diagnose", str(path), "--json", "--device", "cpu", "-b", "1", *extra]
+    )
+    report = json.loads(res.stdout) if res.exit_code in (0, 1) else None
+    return res.exit_code, report, res.stderr
+
+
+def kinds(report: dict) -> list[str]:
+    return [p["kind"] for p in report["problems"]]
+
+
+def problem(report: dict, kind: str) -> dict:
+    return next(p for p in report["problems"] if p["kind"] == kind)
