@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
 from ampctl.cli import app
-from ampctl.commands.bench import SECTIONS, BenchError, bench, plan, print_report
+from ampctl.commands.bench import (
+    SECTIONS,
+    BenchError,
+    bench,
+    measure_precisions,
+    plan,
+    print_report,
+)
+from ampctl.train.run import new_run_dir
 from tests.conftest import FAST
 
 runner = CliRunner()
@@ -69,7 +78,7 @@ HOST_READ_KEYS = {
     "fused_error",
     "goal",
 }
-ROW_KEYS = {"step_s", "tokens_per_s", "speed_vs_fp32", "peak_mem_mib", "error"}
+ROW_KEYS = {"step_s", "tokens_per_s", "speed_vs_fp32", "speed_vs_bf16", "peak_mem_mib", "error"}
 
 
 def _positive_finite(x) -> bool:
@@ -95,7 +104,7 @@ def test_json_has_every_section_and_key(cli_json):
     assert set(res["overflow_check"]) == OVERFLOW_KEYS
     assert set(res["host_reads"]) == HOST_READ_KEYS
     assert set(res["precision"]) == {"timing", "memory_method", "steps", "rows"}
-    assert list(res["precision"]["rows"]) == ["fp32", "bf16", "fp16", "fp16-pure"]
+    assert list(res["precision"]["rows"]) == ["fp32", "bf16", "fp16", "fp16-pure", "fp8"]
     for row in res["precision"]["rows"].values():
         assert set(row) == ROW_KEYS
     meta = res["meta"]
@@ -130,9 +139,10 @@ def test_ratios_and_times_are_positive_finite(cli_json):
         assert _positive_finite(x)
     for name, row in res["precision"]["rows"].items():
         assert row["error"] is None, name
-        for key in ("step_s", "tokens_per_s", "speed_vs_fp32", "peak_mem_mib"):
+        for key in ("step_s", "tokens_per_s", "speed_vs_fp32", "speed_vs_bf16", "peak_mem_mib"):
             assert _positive_finite(row[key]), (name, key, row[key])
     assert res["precision"]["rows"]["fp32"]["speed_vs_fp32"] == 1.0
+    assert res["precision"]["rows"]["bf16"]["speed_vs_bf16"] == 1.0
     assert _positive_finite(res["meta"]["wall_s"])
 
 
@@ -167,6 +177,8 @@ def test_report_prints_every_figure(cli_json):
         "host reads / step",
         "fused AdamW",
         "fp16-pure",
+        "fp8",
+        "vs bf16",
         "peak memory:",
         f"{res['overhead']['ratio']:.3f}",
     ):
@@ -222,3 +234,34 @@ def test_steps_below_two_is_refused_by_the_cli():
     result = runner.invoke(app, ["bench", "--steps", "1"])
     assert result.exit_code == 2
     assert "--steps" in result.stderr
+
+
+def test_fp8_overhead_is_measured_against_a_bare_torchao_loop(fast_cfg):
+    pytest.importorskip("torchao.float8")
+    from ampctl.amp import fp8
+    from ampctl.commands.bench import _BareLoop
+    from ampctl.train.trainer import Trainer
+
+    cfg = fast_cfg("precision=fp8", "model.num_layers=1")  # fp8 matmuls are slow on CPU
+    ov = bench(cfg, 2, sections=["overhead"])["overhead"]
+    assert ov["baseline"].startswith("torchao float8 loop: convert_to_float8_training")
+    assert ov["protected"].startswith("Trainer.run (fp8") and _positive_finite(ov["ratio"])
+    tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "bare"))
+    bare = _BareLoop(cfg, tr)
+    assert fp8.converted_layers(bare.model) == fp8.converted_layers(tr.model) != []
+    assert not bare.scaler.is_enabled()
+
+
+def test_fp8_row_without_torchao_says_how_to_install_it(fast_cfg, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    rows = measure_precisions(fast_cfg(), 2, precisions=("fp8",))["rows"]
+    assert rows == {
+        "fp8": {
+            "step_s": None,
+            "tokens_per_s": None,
+            "speed_vs_fp32": None,
+            "speed_vs_bf16": None,
+            "peak_mem_mib": None,
+            "error": 'fp8 needs torchao: pip install "ampctl[fp8]"',
+        }
+    }

@@ -72,8 +72,11 @@ def train_args(runs, *extra):
         ("trainer.max_steps=0", ["trainer.max_steps must be an integer >= 1"]),
         ("conf=nope", ["conf=nope: no such preset; available: bert_base, bert_large, config"]),
         (
-            "precision=fp8",
-            ["precision=fp8: no such option; precision can be one of bf16, fp16, fp16-pure, fp32"],
+            "precision=fp4",
+            [
+                "precision=fp4: no such option; precision can be one of bf16, fp16, fp16-pure, "
+                "fp32, fp8"
+            ],
         ),
         ("optim=lamb", ["optim=lamb: no such option; optim can be one of adamw, sgd"]),
         ("data=text", ["data.path is missing: data=text needs data.path=FILE_OR_DIR"]),

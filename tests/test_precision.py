@@ -85,9 +85,9 @@ def test_policy_properties(name, dtype, scaler):
 
 def test_unknown_precision_is_refused():
     with pytest.raises(
-        ValueError, match="precision: 'fp8' is not one of fp32, bf16, fp16, fp16-pure"
+        ValueError, match="precision: 'fp4' is not one of fp32, bf16, fp16, fp16-pure, fp8"
     ):
-        PrecisionPolicy(name="fp8")
+        PrecisionPolicy(name="fp4")
 
 
 def test_fp16_pure_trains_with_fp32_masters_and_skips_overflow():

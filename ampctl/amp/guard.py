@@ -125,10 +125,30 @@ class GuardRules:
         self.fallback_chain = list(self.fallback_chain)
 
 
+# What a precision that is not in the fallback chain may fall back to: only the chain's entries
+# that are safer than it. fp8 runs everything but its fp8 layers in bf16, so fp16 (narrower
+# range, loss scaling) is no fallback for it: with the default chain [fp16, bf16, fp32] an fp8
+# run falls back fp8 -> bf16 -> fp32. fp16-pure may fall back to fp16 autocast.
+_SAFER: dict[str, tuple[str, ...]] = {
+    "fp8": ("bf16", "fp32"),
+    "fp16-pure": ("fp16", "bf16", "fp32"),
+    "fp16": ("bf16", "fp32"),
+    "bf16": ("fp32",),
+    "fp32": (),
+}
+
+
 def next_precision(current: str, chain: list[str], bf16_ok: bool = True) -> str | None:
-    """The precision after ``current`` in ``chain`` (bf16 skipped where unsupported)."""
-    start = chain.index(current) + 1 if current in chain else 0
-    for p in chain[start:]:
+    """The precision after ``current`` in ``chain`` (bf16 skipped where unsupported).
+
+    When ``current`` is not in the chain, the first entry of the chain that is safer than it
+    (see ``_SAFER``; any entry for a precision not listed there)."""
+    if current in chain:
+        candidates = chain[chain.index(current) + 1 :]
+    else:
+        safer = _SAFER.get(current)
+        candidates = [p for p in chain if safer is None or p in safer]
+    for p in candidates:
         if p == current or (p == "bf16" and not bf16_ok):
             continue
         return p

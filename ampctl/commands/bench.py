@@ -7,8 +7,9 @@ Sections (the keys of the dict :func:`bench` returns and of ``ampctl bench --jso
 
     meta            device, torch, threads, preset, model, params, precision, batch_size, seq_len,
                     tokens_per_step, steps (the --steps value), wall_s (the whole bench)
-    overhead        the protected loop vs a bare torch.amp.GradScaler loop, same model, same
-                    initial weights, same batches, interleaved A, B, A, B ...
+    overhead        the protected loop vs a bare torch.amp.GradScaler loop (precision=fp8: a bare
+                    torchao float8 loop, the same layers converted), same model, same initial
+                    weights, same batches, interleaved A, B, A, B ...
       ratio             median over pairs of (protected step time / bare step time); goal <= 1.02
       total_ratio       sum of protected times / sum of bare times (log steps amortised)
       protected_median_s, bare_median_s    median step time of each loop
@@ -33,8 +34,11 @@ Sections (the keys of the dict :func:`bench` returns and of ``ampctl bench --jso
                         at a time on CUDA)
       memory_method     how peak memory was measured (see below)
       steps             timed steps per precision (after one warm-up step)
-      rows              {fp32|bf16|fp16|fp16-pure: {step_s, tokens_per_s, speed_vs_fp32,
-                        peak_mem_mib, error}}; speed_vs_fp32 = fp32 step time / this step time
+      rows              {fp32|bf16|fp16|fp16-pure|fp8: {step_s, tokens_per_s, speed_vs_fp32,
+                        speed_vs_bf16, peak_mem_mib, error}}; speed_vs_X = X's step time / this
+                        step time. The fp8 row needs torchao (the ``fp8`` extra); without it its
+                        error says how to install it. With ``trainer.compile=true`` every
+                        precision runs compiled (two untimed warm-up steps instead of one)
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` minus what was allocated before the
 trainer was built (weights, gradients, optimizer state, activations). On CPU, each precision
@@ -141,9 +145,14 @@ class _BareLoop:
         # fp16-pure has no GradScaler equivalent: the bare loop runs fp16 autocast instead
         name = "fp16" if cfg.precision.name == "fp16-pure" else cfg.precision.name
         self.policy = PrecisionPolicy(
-            name=name, fp32_modules=list(cfg.precision.fp32_modules), device_type=self.device.type
+            name=name,
+            fp32_modules=list(cfg.precision.fp32_modules),
+            device_type=self.device.type,
+            options=cfg.precision.options(),
         )
-        self.policy.prepare(self.model)  # the same fp32 module exemptions: same architecture
+        # the same fp32 module exemptions (fp8: and torchao's convert_to_float8_training of the
+        # same layers, bf16 autocast, no scaling): the same architecture
+        self.policy.prepare(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.params, self.device)
         s = cfg.scaler
@@ -236,6 +245,11 @@ def measure_overhead(
     base = "torch.amp.GradScaler loop: autocast, scale(loss).backward(), unscale_, clip_grad_norm_, step, update, zero_grad"
     if cfg.precision.name == "fp16-pure":
         base += " (fp16 autocast with fp32 weights: GradScaler has no pure-fp16 mode)"
+    elif cfg.precision.name == "fp8":
+        base = (
+            "torchao float8 loop: convert_to_float8_training (the same layers), bf16 autocast, "
+            "backward, clip_grad_norm_, step, zero_grad (GradScaler disabled: no scaling)"
+        )
     return {
         "ratio": _median(ratios),
         "total_ratio": sum(a) / sum(b),
@@ -400,8 +414,8 @@ def _status_kib(key: str) -> int | None:
 
 def _warm_imports() -> None:
     """Load what torch imports lazily on a first optimizer step and a first autocast pass (torch
-    imports its compiler stack, ~80 MB of modules, when the first optimizer is built), so that
-    the memory measured afterwards is the run's own."""
+    imports its compiler stack, ~80 MB of modules, when the first optimizer is built), and on a
+    first torchao float8 step, so that the memory measured afterwards is the run's own."""
     import ampctl.train.models  # noqa: F401  (the packaged model, imported by _target_)
 
     w = torch.nn.Parameter(torch.zeros(2, 2))
@@ -412,6 +426,16 @@ def _warm_imports() -> None:
         loss.backward()
     opt.step()
     del w, opt, loss
+    try:  # torchao (fp8), when installed: its first float8 step imports ~440 more modules
+        from ampctl.amp import fp8  # (~26 MB, measured), which are not the fp8 row's memory
+
+        tiny = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        fp8.convert(tiny, exclude=[])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tiny(torch.ones(2, 16)).float().sum().backward()
+        del tiny
+    except UsageError:
+        pass
     gc.collect()
 
 
@@ -536,13 +560,13 @@ def measure_cpu_memory(
 
 
 def _precision_cfgs(
-    cfg: RunConfig, device: torch.device
+    cfg: RunConfig, device: torch.device, precisions: Sequence[str] = PRECISIONS
 ) -> tuple[dict[str, RunConfig], dict[str, str]]:
     from ampctl.amp import bf16_supported
 
     cfgs: dict[str, RunConfig] = {}
     errors: dict[str, str] = {}
-    for p in PRECISIONS:
+    for p in precisions:
         if p == "bf16" and not bf16_supported(device):
             errors[p] = f"bf16 is not supported on {device}"
             continue
@@ -551,17 +575,23 @@ def _precision_cfgs(
 
 
 def _rows(
-    times: dict[str, list[float]], tokens: int, errors: dict[str, str], mem: dict[str, float | None]
+    times: dict[str, list[float]],
+    tokens: int,
+    errors: dict[str, str],
+    mem: dict[str, float | None],
+    precisions: Sequence[str] = PRECISIONS,
 ) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     ref = _median(times["fp32"]) if times.get("fp32") else None
-    for p in PRECISIONS:
+    ref16 = _median(times["bf16"]) if times.get("bf16") else None
+    for p in precisions:
         if p in times and times[p]:
             t = _median(times[p])
             rows[p] = {
                 "step_s": t,
                 "tokens_per_s": tokens / t,
                 "speed_vs_fp32": (ref / t) if ref else None,
+                "speed_vs_bf16": (ref16 / t) if ref16 else None,
                 "peak_mem_mib": mem.get(p),
                 "error": errors.get(p),
             }
@@ -570,6 +600,7 @@ def _rows(
                 "step_s": None,
                 "tokens_per_s": None,
                 "speed_vs_fp32": None,
+                "speed_vs_bf16": None,
                 "peak_mem_mib": mem.get(p),
                 "error": errors.get(p, "not measured"),
             }
@@ -577,10 +608,14 @@ def _rows(
 
 
 def measure_precisions(
-    cfg: RunConfig, steps: int, progress: Progress | None = None
+    cfg: RunConfig,
+    steps: int,
+    progress: Progress | None = None,
+    precisions: Sequence[str] = PRECISIONS,
 ) -> dict[str, Any]:
-    """Step time, tokens/s and peak memory of fp32 / bf16 / fp16 / fp16-pure on the configured
-    model (``train_step(log=False)``, one warm-up step each).
+    """Step time, tokens/s and peak memory of fp32 / bf16 / fp16 / fp16-pure / fp8 (or the
+    given ``precisions``) on the configured model (``train_step(log=False)``, one warm-up step
+    each, two with ``trainer.compile=true``).
 
     CPU: the four trainers live side by side and are stepped round robin (the starting precision
     rotates every round), so drift hits all of them; memory comes from fresh processes
@@ -592,7 +627,8 @@ def measure_precisions(
     from ampctl.train.trainer import Trainer
 
     device = resolve_device(cfg.trainer.device)
-    cfgs, errors = _precision_cfgs(cfg, device)
+    cfgs, errors = _precision_cfgs(cfg, device, precisions)
+    warmup = 2 if cfg.trainer.compile else 1
     d = cfg.data
     tokens = d.batch_size * d.seq_len * cfg.trainer.grad_accum_steps
     times: dict[str, list[float]] = {p: [] for p in cfgs}
@@ -608,7 +644,8 @@ def measure_precisions(
                 trainer = None
                 try:
                     trainer = Trainer(c, Path(tmp), display=None)
-                    trainer.train_step(log=False)
+                    for _ in range(warmup):
+                        trainer.train_step(log=False)
                     for _ in range(steps):
                         t0 = _clock(device)
                         trainer.train_step(log=False)
@@ -637,21 +674,22 @@ def measure_precisions(
                 except UsageError as e:
                     errors[p] = first_line(e)
             order = list(trainers)
-            for r in range(steps + 1):  # round 0 is the warm-up
+            for r in range(steps + warmup):  # the first rounds are the warm-up
                 k = r % max(len(order), 1)
                 for p in order[k:] + order[:k]:
                     t0 = time.perf_counter()
                     trainers[p].train_step(log=False)
-                    if r > 0:
+                    if r >= warmup:
                         times[p].append(time.perf_counter() - t0)
-                if progress is not None and r > 0:
-                    progress(f"precision: round {r}/{steps}")
+                if progress is not None and r >= warmup:
+                    progress(f"precision: round {r - warmup + 1}/{steps}")
             del trainers
             _free(device)
             methods = set()
             if progress is not None:
                 progress(f"precision: peak memory, {len(order)} fresh processes")
-            for p, (mib, how, err) in measure_cpu_memory(cfg, order, _MEMORY_STEPS).items():
+            measured = measure_cpu_memory(cfg, order, _MEMORY_STEPS) if order else {}
+            for p, (mib, how, err) in measured.items():
                 mem[p] = mib
                 if err is not None:
                     errors[p] = err
@@ -673,7 +711,7 @@ def measure_precisions(
         "timing": timing,
         "memory_method": method,
         "steps": steps,
-        "rows": _rows(times, tokens, errors, mem),
+        "rows": _rows(times, tokens, errors, mem, precisions),
     }
 
 
@@ -727,7 +765,7 @@ def bench(
     }
     if "overhead" in sections:
         say(
-            f"overhead: protected loop vs bare GradScaler loop, {n['overhead_warmup']} warm-up + {n['overhead_pairs']} pairs"
+            f"overhead: protected loop vs bare {'torchao float8' if cfg.precision.name == 'fp8' else 'GradScaler'} loop, {n['overhead_warmup']} warm-up + {n['overhead_pairs']} pairs"
         )
         out["overhead"] = measure_overhead(cfg, n["overhead_pairs"], n["overhead_warmup"], say)
         out["meta"]["params"] = out["overhead"].pop("params")
@@ -739,7 +777,7 @@ def bench(
         say("host reads: counting reads per train_step")
         out["host_reads"] = measure_host_reads(cfg, n["host_read_steps"], say)
     if "precision" in sections:
-        say(f"precision: fp32 / bf16 / fp16 / fp16-pure, {n['precision_steps']} timed steps each")
+        say(f"precision: {' / '.join(PRECISIONS)}, {n['precision_steps']} timed steps each")
         out["precision"] = measure_precisions(cfg, n["precision_steps"], say)
     out["meta"]["wall_s"] = time.perf_counter() - t0
     return out
@@ -821,7 +859,7 @@ def print_report(res: dict[str, Any], console: Any = None) -> None:
             title_justify="left",
         )
         p.add_column("precision")
-        for col in ("step", "tokens/s", "vs fp32", "peak memory"):
+        for col in ("step", "tokens/s", "vs fp32", "vs bf16", "peak memory"):
             p.add_column(col, justify="right")
         p.add_column("note")
         for name, row in pr["rows"].items():
@@ -830,6 +868,7 @@ def print_report(res: dict[str, Any], console: Any = None) -> None:
                 _fmt_s(row["step_s"]),
                 _fmt(row["tokens_per_s"], ",.0f"),
                 "-" if row["speed_vs_fp32"] is None else f"{row['speed_vs_fp32']:.2f}x",
+                "-" if row.get("speed_vs_bf16") is None else f"{row['speed_vs_bf16']:.2f}x",
                 "-" if row["peak_mem_mib"] is None else f"{row['peak_mem_mib']:,.1f} MiB",
                 row["error"] or "",
             )

@@ -4,8 +4,11 @@ The guard's rules (:func:`ampctl.amp.guard.decide`) say *what* to do when skippi
 is not enough; this object *does* it, and owns everything that takes: the in-memory snapshot of
 the last good state, restoring it (rollback), attributing an overflow to the parameters whose
 gradients were non-finite, locating the module whose output overflowed in the forward pass and
-promoting it to fp32, switching the run to the next precision of the fallback chain, and the
-events that record each of these.
+promoting it to fp32, demoting the fp8 layers whose casts go wrong (fp8 runs: a gradient
+overflow is replayed with the cast probe and the layer whose cast went non-finite first is
+demoted; at each log read :class:`~ampctl.amp.fp8.Fp8Health` applies the saturation and underflow
+rules to the plugin's log-step probe), switching
+the run to the next precision of the fallback chain, and the events that record each of these.
 
 It takes the model, the optimizer and the precision plugin (which owns the loss scaler), not a
 run config, so it works in a hand-written loop too::
@@ -34,7 +37,9 @@ this into its one read; :meth:`sync` reads on its own.
 
 Host reads: none on a clean step. A skipped step on the standard path reads once more (scale,
 kind of overflow and the names of non-finite gradients, in one transfer); a rollback reads the
-snapshot's scale; a forward-overflow replay reads its traces once.
+snapshot's scale; a forward-overflow replay reads its traces once, and so does a gradient-overflow
+replay of an fp8 run (its per-layer cast figures). The log-step fp8 rules take host numbers that
+rode on the loop's log read (:meth:`Protection.after_log`): no read of their own.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch
 from torch import nn
 
 from ampctl.amp.checks import is_finite, is_int, need
+from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
 from ampctl.amp.guard import Action, Decision, GuardRules, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
@@ -76,9 +82,26 @@ class GuardConfig(GuardRules):
     promote: bool = True
     rollback_backoff: float = 0.25
     snapshot_every: int = 10
+    fp8_demote: bool = True
+    fp8_sat_threshold: float = 0.10
+    fp8_under_threshold: float = 0.01
+    fp8_patience: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for f, allowed in (
+            ("fp8_sat_threshold", "a fraction in [0, 1]"),
+            ("fp8_under_threshold", "a fraction in [0, 1]"),
+        ):
+            v = getattr(self, f)
+            need(is_finite(v) and 0 <= v <= 1, self, f, v, allowed)
+        need(
+            is_int(self.fp8_patience) and self.fp8_patience >= 1,
+            self,
+            "fp8_patience",
+            self.fp8_patience,
+            "an integer >= 1 (log steps in a row above a threshold)",
+        )
         need(
             is_int(self.attribution_limit) and self.attribution_limit >= 1,
             self,
@@ -112,6 +135,14 @@ class GuardConfig(GuardRules):
     @property
     def rules(self) -> GuardRules:
         return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
+
+    @property
+    def fp8_rules(self) -> DemoteRules:
+        return DemoteRules(
+            sat_threshold=self.fp8_sat_threshold,
+            under_threshold=self.fp8_under_threshold,
+            patience=self.fp8_patience,
+        )
 
 
 class Progress(Protocol):
@@ -207,6 +238,7 @@ class Protection:
         self._clean_since_snapshot = 0
         self._pending: list[_Pending] = []
         self._step = 0  # the last step seen
+        self.fp8_health = Fp8Health(self.config.fp8_rules)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -338,6 +370,77 @@ class Protection:
         if t is not None:
             self.on_read(t.tolist())
 
+    # ------------------------------------------------------------------ fp8 layers
+    def after_log(self, step: int) -> None:
+        """After the loop's log read: apply the fp8 demotion rules to the per-layer cast health
+        the precision's probe sampled on this log step (if any), and demote the layers they
+        name. No host read (the figures came with the log read)."""
+        for probe in self.precision.probes():
+            take = getattr(probe, "take_sample", None)
+            sample = take() if take is not None else None
+            if sample is None or not self.enabled or not self.config.fp8_demote:
+                continue
+            names, rows = sample
+            for name, reason in self.fp8_health.observe(names, rows).items():
+                self.demote_layer(step, name, reason)
+
+    def _replay_casts(
+        self, step: int, batches: list[dict[str, torch.Tensor]], late_by: int | None
+    ) -> None:
+        """A gradient overflow in a run with fp8 layers: replay the step's forward and backward
+        with the cast probe (gradients discarded, RNG state kept) and demote the layer whose
+        cast went non-finite first. Under torchrun the ranks demote the union of what each
+        found. **Syncs** once (the replayed figures); nothing happens without fp8 layers."""
+        if not (self.enabled and self.config.fp8_demote and self.precision.demotable(self.model)):
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+
+        def run() -> None:
+            for batch in batches:
+                with self.precision.autocast():
+                    loss = self.forward(self.model, batch)
+                torch.autograd.grad(loss, params, allow_unused=True)
+
+        dev = self._device()
+        cuda = []
+        if dev.type == "cuda":
+            cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=cuda):
+            got = self.precision.replay_casts(self.model, run)
+        found: dict[str, str] = {}
+        if got is not None:
+            names, rows = got
+            history = {
+                n: [LayerSample.from_row(r)] for n, r in zip(names, rows.tolist(), strict=True)
+            }
+            # one replayed sample: with patience 2 only the non-finite rules (1, 2) can fire
+            found = decide_demotions(history, DemoteRules(patience=2))
+        if self.dist is not None and getattr(self.dist, "enabled", False):
+            merged: dict[str, str] = {}
+            for part in self.dist.all_gather_object(found):
+                for n, why in (part or {}).items():
+                    merged.setdefault(n, why)
+            found = merged
+        late = f" (replayed on the weights of step {step + late_by})" if late_by else ""
+        for name, reason in found.items():
+            self.demote_layer(step, name, f"{reason} on the replay of the skipped step{late}")
+
+    def demote_layer(self, step: int, name: str, reason: str) -> bool:
+        """Demote the low-precision layer ``name`` (fp8 -> bf16, same Parameters and optimizer
+        state) and record a ``demotion`` event. Returns False when it is not such a layer."""
+        if not self.precision.demote(self.model, name, reason):
+            return False
+        self.fp8_health.forget(name)
+        self.emit(
+            step,
+            "demotion",
+            f"{name}: fp8 -> bf16 ({reason})",
+            module=name,
+            reason=reason,
+            to_precision="bf16",
+        )
+        return True
+
     # ------------------------------------------------------------------ deciding
     def _attribute(self) -> tuple[list[str] | None, int, float]:
         """Names of the non-finite gradients (up to ``attribution_limit``; None when attribution
@@ -377,6 +480,8 @@ class Protection:
             self._overflow_event(step, forward, scale_after, names, late_by)
             if forward and self.config.locate_forward and batches:
                 self._locate_and_promote(step, batches, late_by)
+            elif not forward and batches:
+                self._replay_casts(step, batches, late_by)
         else:
             self._clean_since_snapshot += 1
         decision = self.guard.observe(
@@ -448,6 +553,8 @@ class Protection:
                 module=name,
             )
             return
+        for layer in self.precision.demotable(self.model, name):
+            self.demote_layer(step, layer, f"inside '{name}', promoted to fp32")
         if self.precision.exempt(self.model, name):
             self.emit(
                 step,
@@ -580,6 +687,7 @@ class Protection:
             scaler=LossScaler(
                 enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
             ),
+            options=old.options,
         )
         new.prepare(self.model)
         for n in exempted:
@@ -595,6 +703,7 @@ class Protection:
             self.optimizer = self.rebuild_optimizer(params)
             self.optimizer.load_state_dict(opt_state)
         self.precision = new
+        self.fp8_health = Fp8Health(self.config.fp8_rules)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

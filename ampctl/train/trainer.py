@@ -9,6 +9,11 @@ One optimizer step, then protection, then logging, then checkpointing -- each on
         log_step(out)                       # every log_every steps: one host read
         save()                              # every ckpt_every steps: atomic checkpoint
 
+With ``trainer.compile=true`` the forward runs through ``torch.compile`` of the model; the
+protected step around it is unchanged. Log steps with probes (fp8 cast health ...) run through
+the eager module, which shares the parameters: a compiled graph does not run hooks added after
+it was traced. The guard's forward replay always runs the eager module.
+
 Host reads: one per step on the standard path (the scaler's skip flag, which also drives the
 lr schedule and the guard), none with a fused optimizer (the skip, the lr schedule and the
 guard's record stay on the device); plus one per log interval (every figure of the interval,
@@ -91,6 +96,8 @@ class TrainerConfig:
     runs_dir: str = "runs"
     overflow_window: int = 50
     stop_at: int | None = None  # stop (checkpoint, status ok) here; max_steps keeps the lr horizon
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         for k in (
@@ -118,6 +125,14 @@ class TrainerConfig:
             "device",
             self.device,
             "one of auto, cpu, cuda, cuda:N",
+        )
+        need(isinstance(self.compile, bool), self, "compile", self.compile, "true or false")
+        need(
+            isinstance(self.compile_backend, str) and bool(self.compile_backend),
+            self,
+            "compile_backend",
+            self.compile_backend,
+            "a torch.compile backend name, e.g. inductor (the default), aot_eager, eager",
         )
 
 
@@ -197,6 +212,7 @@ class Trainer:
         self.model = self._model()
         precision = self._precision(resume)
         self.fwd_model = wrap_model(self.model, self.ctx, self.device)
+        self.compiled = self._compile(self.fwd_model) if cfg.trainer.compile else None
         optimizer = build_optimizer(cfg.optim, precision.optimizer_params(self.model), self.device)
         self.log = RunLogger(
             self.run_dir,
@@ -245,6 +261,11 @@ class Trainer:
                 "precision=fp16-pure cannot be combined with dist.strategy=fsdp: use precision=fp16 "
                 "(FSDP keeps fp32 shards; autocast computes in fp16)"
             )
+        if self.ctx.enabled and self.ctx.strategy == "fsdp" and self.cfg.precision.name == "fp8":
+            raise BuildError(
+                "precision=fp8 cannot be combined with dist.strategy=fsdp yet: demoting an fp8 "
+                "layer swaps a module whose weight FSDP has sharded; use dist.strategy=ddp"
+            )
         if self.cfg.optim.fused and self.cfg.trainer.log_every > self.cfg.scaler.history_size:
             raise BuildError(
                 f"trainer.log_every={self.cfg.trainer.log_every} is above "
@@ -264,6 +285,19 @@ class Trainer:
             )
         return model
 
+    def _compile(self, model: nn.Module) -> nn.Module:
+        """``torch.compile`` of the forward model (compiled lazily, on the first step)."""
+        import torch._dynamo
+
+        backend = self.cfg.trainer.compile_backend
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise BuildError(
+                f"trainer.compile_backend={backend!r} is not a torch.compile backend here: "
+                f"use one of {', '.join(b for b in known if 'TESTING' not in b)}"
+            )
+        return torch.compile(model, backend=backend)
+
     def _precision(self, resume: dict[str, Any] | None):
         cfg = self.cfg
         name, exempted = cfg.precision.name, []
@@ -278,8 +312,11 @@ class Trainer:
             fp32_modules=cfg.precision.fp32_modules,
             device_type=self.device.type,
             scaler_args=dataclasses.asdict(cfg.scaler),
+            options=cfg.precision.options(),
         )
         precision.prepare(self.model)
+        if resume is not None:
+            precision.restore(self.model, resume["precision"])  # e.g. fp8 layer demotions
         for n in exempted:
             precision.exempt(self.model, n)
         precision.scaler.init_state(self.device)
@@ -305,6 +342,10 @@ class Trainer:
     def params(self) -> list[nn.Parameter]:
         """The parameters the optimizer steps (fp32 masters in fp16-pure)."""
         return self.precision.optimizer_params(self.model)
+
+    def active_probes(self) -> list[Probe]:
+        """The loop's probes and the precision's (a fallback replaces the precision's)."""
+        return [*self.probes, *self.precision.probes()]
 
     @property
     def fused(self) -> bool:
@@ -376,7 +417,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         precision.zero_grad()
         batches, loss_total = [], None
-        with sampling(self.probes, self.model, log):
+        probes = self.active_probes() if log else []
+        # hooks need the eager module: a compiled graph does not run hooks added after tracing
+        fwd = self.compiled if self.compiled is not None and not probes else self.fwd_model
+        with sampling(probes, self.model, log):
             for i in range(accum):
                 batch = {
                     k: v.to(self.device, non_blocking=True)
@@ -384,7 +428,7 @@ class Trainer:
                 }
                 batches.append(batch)
                 with no_sync(self.fwd_model, self.ctx, last=i == accum - 1):
-                    loss = self._forward_loss(self.fwd_model, batch) / accum
+                    loss = self._forward_loss(fwd, batch) / accum
                     precision.backward(loss)
                 loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         precision.after_backward()
@@ -432,7 +476,8 @@ class Trainer:
     def log_step(self, out: StepOutput) -> dict[str, Any] | None:
         """Read the interval's figures in one transfer, take the guard's waiting decisions (fused
         path), write the row. Returns the row (None when a decision discarded the interval)."""
-        fig = self._figures(out.stats)
+        probes = self.active_probes()  # before the read: a fallback decided there keeps the row
+        fig = self._figures(out.stats, probes)
         vals = fig.read(self.ctx)  # the log read
         if vals["stop"] > 0 and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
@@ -443,12 +488,13 @@ class Trainer:
         window, self.window = self.window, LogWindow()
         if self.step != rewound_from:  # a late rollback discarded the interval's steps
             return None
-        row = self._row(vals, window, out.stats is not None)
+        row = self._row(vals, window, out.stats is not None, probes)
         self.last_metrics = row
         self.log.metrics(row)
+        self.protection.after_log(self.step)  # fp8 layer demotions from the probe's figures
         return row
 
-    def _figures(self, stats: dict[str, torch.Tensor] | None) -> DeviceFigures:
+    def _figures(self, stats: dict[str, torch.Tensor] | None, probes: list[Probe]) -> DeviceFigures:
         fig = DeviceFigures(self.device)
         w = self.window
         fig.add("loss_sum", w.loss_sum if w.loss_sum is not None else 0.0, "sum")
@@ -467,14 +513,16 @@ class Trainer:
             fig.add(k, v)
         fig.add("recent_skips", self.scaler.recent_skips(self.cfg.trainer.overflow_window))
         fig.add("lr", self.optimizer.param_groups[0]["lr"])
-        for probe in self.probes:
+        for probe in probes:
             probe.figures(fig)
         pending = self.protection.pending_reads()
         if pending is not None:
             fig.add("guard", pending, vector=True)
         return fig
 
-    def _row(self, v: dict[str, Any], window: LogWindow, with_stats: bool) -> dict[str, Any]:
+    def _row(
+        self, v: dict[str, Any], window: LogWindow, with_stats: bool, probes: list[Probe]
+    ) -> dict[str, Any]:
         dt = max(time.perf_counter() - window.t0, 1e-9)
         n = self.scaler.num_steps
         row = {
@@ -495,7 +543,7 @@ class Trainer:
             "grad_underflow_frac": None,
             "nonfinite_grads": None,
         }
-        for probe in self.probes:
+        for probe in probes:
             row.update(probe.row(v))
         if with_stats:
             row.update(
@@ -644,6 +692,7 @@ class Trainer:
             "precision": self.precision.name,
             "promoted_modules": [m for m in self.precision.exempted if m not in configured],
             "fp32_modules": list(self.precision.exempted),
+            **self.precision.summary(self.model),
             "events": self.log.event_counts(),
             "wall_time_s": wall,
             "tokens_per_s": self._tokens_total / max(wall, 1e-9),

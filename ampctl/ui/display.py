@@ -15,6 +15,11 @@ underflow=0.1% nonfinite=0 lr=1.0e-04 prec=fp16 tok/s=12.5k elapsed=00:13 eta=00
                [event] step=41 rollback: restored step 40 after 3 overflows
 
            Every key is always present; a missing or ``None`` value is written as ``-``.
+           An fp8 run's rows (they carry ``fp8_layers``) add, at the end of the line, the worst
+           fp8 layer's saturation and underflow and the count of non-finite layers::
+
+               ... eta=00:52 fp8_sat=0.68%@bert.encoder.layer.1.attention.output.dense \
+fp8_under=0.0031%@bert.encoder.layer.0.intermediate.dense fp8_nonfinite=0
 ``quiet``  nothing until :meth:`Display.summary`.
 ``auto``   ``live`` when the console is an (interactive, non-dumb) terminal, else ``plain``.
 
@@ -284,7 +289,14 @@ def _fmt_generic(v: Any) -> str:
     return _fallback(v)
 
 
+# Long lists shown as a count and their ends (summary.json keeps them whole).
+_SUMMARY_COUNTED = {"fp8_layers": "layers"}
+
+
 def _fmt_summary_value(key: str, v: Any) -> str:
+    what = _SUMMARY_COUNTED.get(key)
+    if what is not None and isinstance(v, list | tuple) and len(v) > 3:
+        return f"{len(v)} {what}: {_fallback(v[0])} ... {_fallback(v[-1])}"
     fn = _SUMMARY_FORMATTERS.get(key)
     if fn is not None and not isinstance(v, (Mapping, list, tuple, set, frozenset)):
         try:
@@ -516,7 +528,18 @@ class Display:
             f" prec={_one_line(g('precision')).replace(' ', '_')}"
             f" tok/s={fmt_rate(g('tokens_per_s'))}"
             f" elapsed={fmt_duration(self._elapsed())}"
-            f" eta={fmt_duration(eta) if eta is not None else _MISSING}"
+            f" eta={fmt_duration(eta) if eta is not None else _MISSING}" + self._plain_fp8()
+        )
+
+    def _plain_fp8(self) -> str:
+        """The fp8 keys of the plain line ("" unless the row is an fp8 run's)."""
+        g = self.metrics.get
+        if "fp8_layers" not in self.metrics:
+            return ""
+        return (
+            f" fp8_sat={_pct_at(g('fp8_sat'), g('fp8_sat_layer'))}"
+            f" fp8_under={_pct_at(g('fp8_under'), g('fp8_under_layer'))}"
+            f" fp8_nonfinite={fmt_int(g('fp8_nonfinite_layers'))}"
         )
 
     # ------------------------------------------------------------------ live mode
@@ -629,6 +652,28 @@ class Display:
             ("precision", _one_line(g("precision")), ""),
             ("tok/s", fmt_rate(g("tokens_per_s")), ""),
         ]
+        if "fp8_layers" in self.metrics:  # an fp8 run: the worst fp8 layer's casts
+            sat, under = _as_float(g("fp8_sat")), _as_float(g("fp8_under"))
+            cells[6:6] = [
+                ("fp8 layers", fmt_int(g("fp8_layers")), ""),
+                (
+                    "fp8 nonfinite",
+                    fmt_int(g("fp8_nonfinite_layers")),
+                    warn_pos("fp8_nonfinite_layers", "bold red"),
+                ),
+            ]
+            cells += [
+                (
+                    "fp8 sat",
+                    _pct_at(g("fp8_sat"), g("fp8_sat_layer"), 34, " "),
+                    "yellow" if sat is not None and sat > 0.1 else "",
+                ),
+                (
+                    "fp8 under",
+                    _pct_at(g("fp8_under"), g("fp8_under_layer"), 34, " "),
+                    "yellow" if under is not None and under > 0.01 else "",
+                ),
+            ]
         half = (len(cells) + 1) // 2
         rows = []
         for i in range(half):
@@ -672,6 +717,21 @@ class Display:
                 )
             )
         return lines
+
+
+def _pct_at(frac: Any, layer: Any, width: int = 0, sep: str = "@") -> str:
+    """``0.68%@layer.name`` (the layer's tail only when ``width`` is given); ``-`` without a
+    figure."""
+    if frac is None:
+        return _MISSING
+    name = _one_line(layer).replace(" ", "_") if layer is not None else _MISSING
+    if width and len(name) > width:  # keep the last dotted components that fit
+        parts = name.split(".")
+        tail = parts.pop()
+        while parts and len(tail) + len(parts[-1]) + 4 <= width:
+            tail = f"{parts.pop()}.{tail}"
+        name = "..." + tail[-(width - 3) :]
+    return f"{fmt_pct(frac)}{sep}{name}"
 
 
 _GAP = 3

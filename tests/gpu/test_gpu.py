@@ -2,7 +2,8 @@
 
 LossScaler against ``torch.amp.GradScaler("cuda")`` on planted overflows, host reads (CPU-GPU
 syncs) per step on the standard and fused-AdamW paths, a skipped step on the fused path, the
-bench's CUDA code paths, and a few fp16 steps of conf=bert_large end to end.
+bench's CUDA code paths, fp8 (torchao) host reads and a few fp8 steps, and a few fp16 steps of
+conf=bert_large end to end.
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ def test_host_reads_per_step_on_cuda_are_one_and_zero(fast_cfg):
     assert (hr["fused"], hr["fused_total"]) == (0, 0)
 
 
+def test_fp8_on_cuda_reads_one_and_zero_and_logs_its_casts(fast_cfg):
+    pytest.importorskip("torchao.float8")
+    hr = measure_host_reads(fast_cfg(CUDA, "precision=fp8"), steps=4)
+    assert (hr["standard"], hr["fused"]) == (1, 0)
+    cfg = fast_cfg(CUDA, "precision=fp8", "trainer.max_steps=24")
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, "fp8"))
+    assert res.status == "ok" and len(res.summary["fp8_layers"]) == 13
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert all(r["fp8_layers"] == 13 and r["fp8_nonfinite_layers"] == 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
 def test_fused_adamw_on_cuda_skips_a_planted_overflow(fast_cfg):
     def plant(trainer, step, phase):
         if step == 3 and phase == "after_backward":
@@ -117,7 +130,14 @@ def test_bench_cuda_paths_run(fast_cfg):
     assert res["overflow_check"]["hidden_size"] == 1024 and res["overflow_check"]["finite"] is True
     pr = res["precision"]
     assert "max_memory_allocated" in pr["memory_method"]
-    for name in ("fp32", "fp16", "fp16-pure"):
+    names = ("fp32", "fp16", "fp16-pure")
+    try:
+        import torchao.float8  # noqa: F401
+
+        names += ("fp8",)
+    except ImportError:
+        assert pr["rows"]["fp8"]["error"].startswith("fp8 needs torchao")
+    for name in names:
         row = pr["rows"][name]
         assert row["error"] is None and row["step_s"] > 0 and row["peak_mem_mib"] > 0, name
 

@@ -11,6 +11,13 @@ in fp32 even under autocast: inputs are cast up and autocast is off inside. Modu
 exempted later (``exempt``), which is how the overflow guard moves a module that overflows out
 of the low precision while the rest stays fast.
 
+A plugin may also keep some layers in a precision *lower* than its autocast dtype (fp8: torchao
+``Float8Linear``): :meth:`Precision.demotable` lists them, :meth:`Precision.demote` moves one to
+the autocast dtype (the guard's layer demotion), :meth:`Precision.probes` gives the log-step
+probes that watch them (see :class:`ampctl.train.metrics.Probe`), :meth:`Precision.restore` puts
+the demotions of a checkpoint back and :meth:`Precision.summary` names them for the run summary.
+The base has no such layers: the hooks pass through.
+
 None of the hooks reads a device value on the host, except :meth:`Precision.optimizer_step`,
 which makes the scaler's one read of the step (none with a fused optimizer).
 """
@@ -96,6 +103,8 @@ class Precision:
     compute_dtype: ClassVar[torch.dtype] = torch.float32
     param_dtype: ClassVar[torch.dtype] = torch.float32
     needs_scaler: ClassVar[bool] = False
+    # the plugin's own constructor arguments, taken from ``make_precision(options=...)``
+    option_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -113,6 +122,9 @@ class Precision:
         self.scaler = scaler if scaler is not None else LossScaler(enabled=self.needs_scaler)
         self.exempted: list[str] = []  # module names currently running in fp32
         self._originals: dict[str, tuple[nn.Module, object]] = {}
+        # every option this plugin was made with (also other plugins' keys): a precision
+        # fallback hands them to the next plugin
+        self.options: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(exempted={self.exempted})"
@@ -181,6 +193,36 @@ class Precision:
 
     def after_step(self) -> None:
         """After the optimizer step. Pass-through."""
+
+    def probes(self) -> list[Any]:
+        """Log-step probes of this precision (:class:`ampctl.train.metrics.Probe`); none here."""
+        return []
+
+    # ------------------------------------------------------------------ low-precision layers
+    def demotable(self, model: nn.Module, under: str = "") -> list[str]:
+        """Names of the layers kept below the autocast dtype, at or inside module ``under``
+        ("": the whole model), in module order. None here."""
+        return []
+
+    def demote(self, model: nn.Module, name: str, reason: str) -> bool:
+        """Move layer ``name`` up to the autocast dtype, keeping its Parameters (and so the
+        optimizer state); ``reason`` is kept for the checkpoint and the summary. Returns whether
+        a layer was demoted (never here)."""
+        return False
+
+    def replay_casts(self, model: nn.Module, run: Any) -> tuple[list[str], torch.Tensor] | None:
+        """Call ``run()`` (a forward and backward of ``model``) with the per-layer cast probe of
+        the low-precision layers open: their names and a device tensor of rows (see
+        :mod:`ampctl.amp.fp8`), or None without such layers (here). No host read."""
+        return None
+
+    def restore(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """After :meth:`prepare` on resume: redo what :meth:`state_dict` recorded beyond the
+        exemptions (the caller re-exempts those). Pass-through."""
+
+    def summary(self, model: nn.Module) -> dict[str, Any]:
+        """Keys for the run summary. None here."""
+        return {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -563,8 +563,8 @@ def test_bad_input_exits_2_with_one_line(base_run, tmp_path, monkeypatch):
 def test_bad_options_exit_2(base_run):
     for args, text in (
         (
-            ["--precision", "fp8"],
-            "--precision 'fp8' is not allowed: use one of fp32, bf16, fp16, fp16-pure",
+            ["--precision", "fp4"],
+            "--precision 'fp4' is not allowed: use one of fp32, bf16, fp16, fp16-pure, fp8",
         ),
         (["--device", "tpu"], "--device 'tpu' is not allowed: use auto, cpu, cuda or cuda:N"),
     ):
