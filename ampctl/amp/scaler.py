@@ -225,7 +225,7 @@ class LossScaler(torch.amp.GradScaler):
         # device="cuda" without CUDA and set plain attributes that are properties here.
         if isinstance(init_scale, str | torch.device):
             raise ValueError(
-                f"LossScaler: init_scale={str(init_scale)!r} is not allowed; it looks like "
+                f"LossScaler: init_scale={str(init_scale)!r} is not allowed: it looks like "
                 f"GradScaler's device argument: write LossScaler(device={str(init_scale)!r}, ...) "
                 f"or LossScaler.like_gradscaler({str(init_scale)!r}, ...)"
             )
@@ -1088,7 +1088,7 @@ def _new_scale_tensor(new_scale: Any) -> torch.Tensor:
         return new_scale.detach().to(torch.float32).reshape(())
     if not _number(new_scale):
         raise ValueError(
-            f"LossScaler.update: new_scale={new_scale!r} is not allowed; give a number or a "
+            f"LossScaler.update: new_scale={new_scale!r} is not allowed: give a number or a "
             f"one-element tensor"
         )
     return torch.tensor(float(new_scale), dtype=torch.float32)

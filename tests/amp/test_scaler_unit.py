@@ -95,75 +95,75 @@ def _message(exc_type, fn, *args, **kwargs) -> str:
     [
         (
             {"init_scale": 0.0},
-            "init_scale=0.0 is not allowed; init_scale must be a finite number > 0",
+            "init_scale=0.0 is not allowed: init_scale must be a finite number > 0",
         ),
         (
             {"init_scale": INF},
-            "init_scale=inf is not allowed; init_scale must be a finite number > 0",
+            "init_scale=inf is not allowed: init_scale must be a finite number > 0",
         ),
         (
             {"init_scale": True},
-            "init_scale=True is not allowed; init_scale must be a finite number > 0",
+            "init_scale=True is not allowed: init_scale must be a finite number > 0",
         ),
-        ({"growth_factor": 1.0}, "growth_factor=1.0 is not allowed; growth_factor must be > 1"),
-        ({"growth_factor": INF}, "growth_factor=inf is not allowed; growth_factor must be > 1"),
+        ({"growth_factor": 1.0}, "growth_factor=1.0 is not allowed: growth_factor must be a number > 1"),
+        ({"growth_factor": INF}, "growth_factor=inf is not allowed: growth_factor must be a number > 1"),
         (
             {"backoff_factor": 0},
-            "backoff_factor=0 is not allowed; backoff_factor must be in (0, 1)",
+            "backoff_factor=0 is not allowed: backoff_factor must be in (0, 1)",
         ),
         (
             {"backoff_factor": 1},
-            "backoff_factor=1 is not allowed; backoff_factor must be in (0, 1)",
+            "backoff_factor=1 is not allowed: backoff_factor must be in (0, 1)",
         ),
         (
             {"backoff_factor": NAN},
-            "backoff_factor=nan is not allowed; backoff_factor must be in (0, 1)",
+            "backoff_factor=nan is not allowed: backoff_factor must be in (0, 1)",
         ),
         (
             {"growth_interval": 0},
-            "growth_interval=0 is not allowed; growth_interval must be an integer >= 1",
+            "growth_interval=0 is not allowed: growth_interval must be an integer >= 1",
         ),
         (
             {"growth_interval": 2.0},
-            "growth_interval=2.0 is not allowed; growth_interval must be an integer >= 1",
+            "growth_interval=2.0 is not allowed: growth_interval must be an integer >= 1",
         ),
         (
             {"growth_interval": True},
-            "growth_interval=True is not allowed; growth_interval must be an integer >= 1",
+            "growth_interval=True is not allowed: growth_interval must be an integer >= 1",
         ),
-        ({"hysteresis": 0}, "hysteresis=0 is not allowed; hysteresis must be an integer >= 1"),
-        ({"hysteresis": 1.0}, "hysteresis=1.0 is not allowed; hysteresis must be an integer >= 1"),
+        ({"hysteresis": 0}, "hysteresis=0 is not allowed: hysteresis must be an integer >= 1"),
+        ({"hysteresis": 1.0}, "hysteresis=1.0 is not allowed: hysteresis must be an integer >= 1"),
         (
             {"min_scale": -1.0},
-            "min_scale=-1.0 is not allowed; min_scale must be a finite number >= 0",
+            "min_scale=-1.0 is not allowed: min_scale must be a finite number >= 0",
         ),
         (
             {"min_scale": INF, "max_scale": INF},
-            "min_scale=inf is not allowed; min_scale must be a finite number >= 0",
+            "min_scale=inf is not allowed: min_scale must be a finite number >= 0",
         ),
         (
             {"max_scale": 0.0},
-            "max_scale=0.0 is not allowed; max_scale must be a number > 0 (inf for no ceiling)",
+            "max_scale=0.0 is not allowed: max_scale must be a number > 0 (inf for no ceiling)",
         ),
         (
             {"max_scale": NAN},
-            "max_scale=nan is not allowed; max_scale must be a number > 0 (inf for no ceiling)",
+            "max_scale=nan is not allowed: max_scale must be a number > 0 (inf for no ceiling)",
         ),
         (
             {"max_scale": "big"},
-            "max_scale='big' is not allowed; max_scale must be a number > 0 (inf for no ceiling)",
+            "max_scale='big' is not allowed: max_scale must be a number > 0 (inf for no ceiling)",
         ),
         (
             {"min_scale": 8.0, "max_scale": 4.0},
-            "min_scale=8.0 is not allowed; min_scale must be <= max_scale (4.0)",
+            "min_scale=8.0 is not allowed: min_scale must be <= max_scale (4.0)",
         ),
         (
             {"history_size": 0},
-            "history_size=0 is not allowed; history_size must be an integer >= 1",
+            "history_size=0 is not allowed: history_size must be an integer >= 1",
         ),
         (
             {"history_size": 2.0},
-            "history_size=2.0 is not allowed; history_size must be an integer >= 1",
+            "history_size=2.0 is not allowed: history_size must be an integer >= 1",
         ),
     ],
 )
@@ -175,7 +175,7 @@ def test_bad_arguments_are_refused_in_one_line(kwargs, message):
 def test_gradscalers_device_argument_is_refused_with_the_fix(device):
     d = str(device)
     assert _message(ValueError, LossScaler, device) == (
-        f"LossScaler: init_scale={d!r} is not allowed; it looks like GradScaler's device "
+        f"LossScaler: init_scale={d!r} is not allowed: it looks like GradScaler's device "
         f"argument: write LossScaler(device={d!r}, ...) or LossScaler.like_gradscaler({d!r}, ...)"
     )
 
@@ -823,7 +823,7 @@ def test_update_with_a_new_scale():
         "require grad (got shape (), requires_grad=True)"
     )
     assert _message(ValueError, s.update, new_scale="8") == (
-        "LossScaler.update: new_scale='8' is not allowed; give a number or a one-element tensor"
+        "LossScaler.update: new_scale='8' is not allowed: give a number or a one-element tensor"
     )
     off = LossScaler(enabled=False)
     off.init_state("cpu")

@@ -14,7 +14,7 @@ from torch import nn
 
 from ampctl.amp.checks import FieldError
 from ampctl.amp.guard import GuardRules
-from ampctl.amp.precision import make_precision
+from ampctl.amp.precision import PRECISIONS, make_precision
 from ampctl.train.protection import GuardConfig, Protection, TrainAborted
 
 INF = float("inf")
@@ -164,7 +164,7 @@ def _strip(ev: dict) -> dict:
         ("rollback_backoff", 0, "in (0, 1]"),
         ("rollback_backoff", 1.01, "in (0, 1]"),
         ("rollback_backoff", math.inf, "in (0, 1]"),
-        ("fallback_chain", ["fp16", "fp8"], "a list of fp32, bf16, fp16, fp16-pure"),
+        ("fallback_chain", ["fp16", "fp4"], "a list of " + ", ".join(PRECISIONS)),
         ("snapshot_every", -1, "an integer >= 0 (0: no snapshots)"),
         ("snapshot_every", 1.0, "an integer >= 0 (0: no snapshots)"),
         ("rollback_after", -1, "an integer >= 0 (0 disables rollback)"),
