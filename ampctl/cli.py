@@ -388,8 +388,11 @@ def plot(
         typer.Option("--out", "-o", help="PNG to write (default: plot.png in the folder)."),
     ] = None,
     baseline: Annotated[
-        Path | None,
-        typer.Option("--baseline", help="A run folder whose loss is overlaid (e.g. an fp32 run)."),
+        list[Path] | None,
+        typer.Option(
+            "--baseline",
+            help="A run folder whose loss is overlaid (e.g. an fp32 run); repeat it to overlay several.",
+        ),
     ] = None,
 ) -> None:
     """Draw a run (loss, scale with skipped steps, overflow rate, grad norm and underflow, guard

@@ -85,7 +85,7 @@ def test_run_figure_panels_skips_and_events(run):
         "loss scale (log2)",
         "overflow rate",
         "grad norm",
-        "grad underflow fraction",
+        "underflow fraction",
     ]
     assert ax_scale.get_yscale() == "log" and ax_scale.yaxis.get_transform().base == 2
     assert ax_gn.get_xlabel() == "step"
@@ -149,6 +149,36 @@ def test_copied_run_without_checkpoints_uses_metrics_and_baseline(run, tmp_path)
     assert base.get_label() == f"baseline loss ({run.name})"
     rows = read_jsonl(run / "metrics.jsonl")
     assert list(base.get_ydata()) == [rows[0]["loss"], rows[2]["loss"], rows[3]["loss"]]
+
+
+@needs_mpl
+def test_several_baselines_each_drawn_with_its_own_style_and_name(run, tmp_path):
+    others = []
+    for i in range(3):
+        d = tmp_path / f"base{i}"
+        write_run(d, [row(4, 5.0 + i), row(8, 4.0 + i)])
+        others.append(d)
+    fig = build_run_figure(run, baseline=others)
+    lines = by_gid(fig.axes[0], "baseline")
+    assert [ln.get_label() for ln in lines] == [f"baseline loss (base{i})" for i in range(3)]
+    assert [list(ln.get_ydata()) for ln in lines] == [[5.0 + i, 4.0 + i] for i in range(3)]
+    assert len({(ln.get_color(), str(ln.get_linestyle())) for ln in lines}) == 3
+
+
+@needs_mpl
+def test_activation_gradient_underflow_is_drawn_next_to_the_parameter_figure(tmp_path):
+    d = write_run(
+        tmp_path / "r",
+        [
+            row(4, 5.0, grad_underflow_frac=0.001, act_grad_underflow_frac=0.9),
+            row(8, 4.0, grad_underflow_frac=0.002, act_grad_underflow_frac=0.5),
+        ],
+    )
+    ax_uf = build_run_figure(d).axes[-1]
+    labels = {ln.get_label(): list(ln.get_ydata()) for ln in ax_uf.lines}
+    assert labels["param-grad underflow"] == [0.001, 0.002]
+    assert labels["activation-grad underflow (fp16)"] == [0.9, 0.5]
+    assert ax_uf.get_ylim()[1] >= 0.9  # the axis holds the larger figure
 
 
 def write_run(path, rows, events=(), tail=""):

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ampctl.amp import make_precision, match_modules
+from ampctl.amp.actgrad import ActGradProbe
 from ampctl.amp.checks import is_int, need
 from ampctl.amp.stats import grad_stats
 from ampctl.runlog import RunLayout, branch_event, prepare_resume
@@ -231,7 +232,8 @@ class Trainer:
             rebuild_optimizer=lambda params: build_optimizer(cfg.optim, params, self.device),
             dist=self.ctx,
         )
-        self.probes: list[Probe] = []  # figures sampled on log steps (see metrics.Probe)
+        # figures sampled on log steps (see metrics.Probe)
+        self.probes: list[Probe] = [ActGradProbe()] if cfg.logging.act_grads else []
         self.step = 0
         self.applied: int | torch.Tensor = 0  # optimizer steps applied (drives the lr schedule)
         self.window = LogWindow()
@@ -542,6 +544,8 @@ class Trainer:
             "grad_amax": None,
             "grad_underflow_frac": None,
             "nonfinite_grads": None,
+            "act_grad_underflow_frac": None,
+            "act_grad_zero_frac": None,
         }
         for probe in probes:
             row.update(probe.row(v))

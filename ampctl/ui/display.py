@@ -11,7 +11,7 @@ Modes
            for CI, pipes and job logs (no ANSI codes unless the console is a terminal)::
 
                step=40/200 loss=4.1234 scale=1024 skipped=2 overflow=5.0% gnorm=1.23 amax=0.045 \
-underflow=0.1% nonfinite=0 lr=1.0e-04 prec=fp16 tok/s=12.5k elapsed=00:13 eta=00:52
+underflow=0.1% act_underflow=2.3% nonfinite=0 lr=1.0e-04 prec=fp16 tok/s=12.5k elapsed=00:13 eta=00:52
                [event] step=41 rollback: restored step 40 after 3 overflows
 
            Every key is always present; a missing or ``None`` value is written as ``-``.
@@ -246,6 +246,7 @@ _SUMMARY_FORMATTERS: dict[str, Callable[[Any], str]] = {
     "skipped": fmt_int,
     "overflow_rate": fmt_pct,
     "grad_underflow_frac": fmt_pct,
+    "act_grad_underflow_frac": fmt_pct,
     "final_scale": fmt_scale,
     "scale": fmt_scale,
     "wall_time_s": lambda v: (
@@ -523,6 +524,7 @@ class Display:
             f" gnorm={fmt_float(g('grad_norm'), 3)}"
             f" amax={fmt_float(g('grad_amax'), 3)}"
             f" underflow={fmt_pct(g('grad_underflow_frac'))}"
+            f" act_underflow={fmt_pct(g('act_grad_underflow_frac'))}"
             f" nonfinite={fmt_int(g('nonfinite_grads'))}"
             f" lr={fmt_lr(g('lr'))}"
             f" prec={_one_line(g('precision')).replace(' ', '_')}"
@@ -625,6 +627,7 @@ class Display:
         g = self.metrics.get
         loss_style = "bold red" if _is_bad(g("loss")) else "bold"
         under = _as_float(g("grad_underflow_frac"))
+        act_under = _as_float(g("act_grad_underflow_frac"))
 
         def bad(k: str) -> str:
             return "red" if _is_bad(g(k)) else ""
@@ -639,12 +642,17 @@ class Display:
             ("scale", fmt_scale(g("scale")), bad("scale")),
             ("skipped", fmt_int(g("skipped")), warn_pos("skipped")),
             ("overflow", fmt_pct(g("overflow_rate")), warn_pos("overflow_rate")),
+            (
+                "act underflow",
+                fmt_pct(g("act_grad_underflow_frac")),
+                "yellow" if act_under is not None and act_under > 0.01 else "",
+            ),
             ("nonfinite", fmt_int(g("nonfinite_grads")), warn_pos("nonfinite_grads", "bold red")),
             # right half: gradients and run facts
             ("grad norm", fmt_float(g("grad_norm")), bad("grad_norm")),
             ("max|g|", fmt_float(g("grad_amax")), bad("grad_amax")),
             (
-                "underflow",
+                "param underflow",
                 fmt_pct(g("grad_underflow_frac")),
                 "yellow" if under is not None and under > 0.01 else bad("grad_underflow_frac"),
             ),
@@ -654,7 +662,7 @@ class Display:
         ]
         if "fp8_layers" in self.metrics:  # an fp8 run: the worst fp8 layer's casts
             sat, under = _as_float(g("fp8_sat")), _as_float(g("fp8_under"))
-            cells[6:6] = [
+            cells[7:7] = [
                 ("fp8 layers", fmt_int(g("fp8_layers")), ""),
                 (
                     "fp8 nonfinite",

@@ -64,10 +64,14 @@ def maybe_plot_run(run_dir: str | Path) -> Path | str:
         return f"no plot: writing {Path(run_dir) / 'plot.png'} failed: {e.strerror or e}"
 
 
-def run_plot(path: Path, out: Path | None = None, baseline: Path | None = None) -> int:
-    """``ampctl plot PATH [--out FILE] [--baseline RUN]``: a sweep folder (has results.json) or
-    a run folder. Prints the written path; returns 0. Bad input -> UsageError (exit 2)."""
+def run_plot(
+    path: Path, out: Path | None = None, baseline: Path | list[Path] | None = None
+) -> int:
+    """``ampctl plot PATH [--out FILE] [--baseline RUN ...]``: a sweep folder (has results.json)
+    or a run folder. Prints the written path; returns 0. Bad input -> UsageError (exit 2)."""
     path = Path(path)
+    if isinstance(baseline, list) and not baseline:
+        baseline = None
     if not path.exists():
         raise UsageError(
             f"{str(path)!r} does not exist: give a run folder (with metrics.jsonl) or a sweep folder (with results.json)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,18 +77,29 @@ def _event_lines(axes, data: RunData) -> None:
                 ax.axvspan(span[0], span[1], color=color, alpha=0.07, linewidth=0)
 
 
-def _loss_panel(ax_loss, data: RunData, base: RunData | None, branches: bool) -> None:
-    """1) loss, with the baseline and the branches a resume set aside overlaid."""
+# Baseline lines, in --baseline order: the first black as before, then distinct colours.
+_BASELINE_STYLES = (
+    ("black", "--"),
+    ("tab:red", ":"),
+    ("tab:green", "-."),
+    ("tab:purple", (0, (5, 1, 1, 1))),
+    ("tab:gray", (0, (1, 2))),
+)
+
+
+def _loss_panel(ax_loss, data: RunData, bases: list[RunData], branches: bool) -> None:
+    """1) loss, with the baselines and the branches a resume set aside overlaid."""
     xs, ys, kept = data.series("loss")
     _draw_series(ax_loss, xs, ys, kept, label=f"loss ({data.name})", color="tab:blue")
-    if base is not None:
+    for i, base in enumerate(bases):
         bx, by, bk = base.series("loss")
         bkx, bky, _ = _split_kept(bx, by, bk)
+        color, style = _BASELINE_STYLES[i % len(_BASELINE_STYLES)]
         ax_loss.plot(
             bkx,
             bky,
-            color="black",
-            linestyle="--",
+            color=color,
+            linestyle=style,
             linewidth=1.2,
             label=f"baseline loss ({base.name})",
             gid="baseline",
@@ -209,35 +221,53 @@ def _grad_panel(ax_gn, data: RunData) -> Any:
     ax_gn.set_ylabel("grad norm")
     ax_uf = ax_gn.twinx()
     xs, ys, kept = data.series("grad_underflow_frac")
-    _draw_series(ax_uf, xs, ys, kept, label="grad underflow fraction", color="tab:brown")
+    _draw_series(ax_uf, xs, ys, kept, label="param-grad underflow", color="tab:brown")
     top = max((y for y in ys if math.isfinite(y)), default=0.0)
+    xs, ys, kept = data.series("act_grad_underflow_frac")
+    if any(math.isfinite(y) for y in ys):  # fp16 runs: the activation gradients' figure
+        _draw_series(
+            ax_uf, xs, ys, kept, label="activation-grad underflow (fp16)", color="tab:olive"
+        )
+        top = max([top, *(y for y in ys if math.isfinite(y))])
     ax_uf.set_ylim(0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
     from matplotlib.ticker import PercentFormatter
 
     ax_uf.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-    ax_uf.set_ylabel("grad underflow fraction")
+    ax_uf.set_ylabel("underflow fraction")
     return ax_uf
 
 
+def _as_list(baseline: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    if baseline is None:
+        return []
+    if isinstance(baseline, (str, Path)):
+        return [Path(baseline)]
+    return [Path(b) for b in baseline]
+
+
 def build_run_figure(
-    run_dir: str | Path, baseline: str | Path | None = None, *, branches: bool = True
+    run_dir: str | Path,
+    baseline: str | Path | Sequence[str | Path] | None = None,
+    *,
+    branches: bool = True,
 ) -> Figure:
     """The run's figure (matplotlib Figure on an Agg canvas). Panels, top to bottom, sharing
-    the step axis: loss (a baseline's and the discarded branches' overlaid), loss scale (log2,
-    skipped steps marked), overflow rate (overflow events as ticks), grad norm with the
-    underflow fraction on a second y-axis. Raises UsageError for bad folders and
+    the step axis: loss (the baselines' -- one run or several -- and the discarded branches'
+    overlaid), loss scale (log2, skipped steps marked), overflow rate (overflow events as
+    ticks), grad norm with the parameter- and activation-gradient underflow fractions on a
+    second y-axis. Raises UsageError for bad folders and
     PlotUnavailable without matplotlib. No device reads."""
     Figure, FigureCanvasAgg = _mpl()
     from matplotlib.ticker import MaxNLocator
 
     data = load_run_data(run_dir)
-    base = load_run_data(baseline) if baseline is not None else None
+    bases = [load_run_data(b) for b in _as_list(baseline)]
     fig = Figure(figsize=(10, 9.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale, ax_rate, ax_gn = fig.subplots(
         4, 1, sharex=True, height_ratios=[3, 3, 2, 2.4]
     )
-    _loss_panel(ax_loss, data, base, branches)
+    _loss_panel(ax_loss, data, bases, branches)
     _scale_panel(ax_scale, data)
     _rate_panel(ax_rate, data)
     ax_uf = _grad_panel(ax_gn, data)
@@ -267,7 +297,9 @@ def build_run_figure(
 
 
 def plot_run(
-    run_dir: str | Path, out: str | Path | None = None, baseline: str | Path | None = None
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    baseline: str | Path | Sequence[str | Path] | None = None,
 ) -> Path:
     """Draw a run folder into ``out`` (default ``<run>/plot.png``); returns the path. Written
     atomically (a temp file renamed over the target)."""

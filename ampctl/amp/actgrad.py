@@ -1,0 +1,127 @@
+"""Activation-gradient underflow: how much of the fp16 backward pass flushes to zero.
+
+The parameter-gradient figure (``grad_underflow_frac``, :func:`ampctl.amp.stats.grad_stats`)
+looks at the gradients the optimizer receives. fp16 training loses information earlier, in the
+*activation* gradients flowing back through the network in half precision: an element whose
+scaled value falls below fp16's smallest normal number (2**-14 = 6.1e-5) keeps only a few bits
+(a subnormal) and one below half the smallest subnormal (2**-25 = 3.0e-8) becomes zero. Loss
+scaling exists to lift these values into range (Micikevicius et al. 2018, figure 3).
+
+:class:`ActGradProbe` measures that on sampled steps only. While its :meth:`~ActGradProbe.
+sampling` context is open, a forward hook on every leaf module registers a tensor hook on each
+float16 output that requires a gradient; when the backward pass reaches it, the hook adds three
+counts on the device: elements that are exactly zero, elements below fp16's normal range
+(zero or subnormal), and all elements. The gradient seen is the one stored in fp16, i.e. times
+the loss scale, which is the point: the scale is what keeps it out of the subnormal range.
+
+Cost: on a sampled step, one ``abs``, two comparisons and three reductions per fp16 activation
+gradient (all on the device, no host read); nothing at all is installed on other steps. Only
+float16 tensors are counted (bf16 has fp32's range; fp32 cannot underflow here), so a run with
+no fp16 activations reports ``None``.
+
+Exact zeros include structural ones (masked positions, a ReLU's dead units), so
+``act_grad_zero_frac`` is an upper bound on what was flushed; ``act_grad_underflow_frac``
+(zero or subnormal) is the figure to watch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .formats import FP16_TINY
+
+__all__ = ["ActGradCounter", "ActGradProbe", "ROW_KEYS"]
+
+ROW_KEYS = ("act_grad_underflow_frac", "act_grad_zero_frac")
+
+
+class ActGradCounter:
+    """Device-side counts of fp16 activation-gradient elements (zero, below normal, all) over
+    the backward passes run while :meth:`hooks` is open."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.counts: torch.Tensor | None = None  # int64 [zero, below_normal, total]
+
+    def _add(self, grad: torch.Tensor) -> None:
+        if grad is None or grad.dtype != torch.float16 or grad.numel() == 0:
+            return
+        a = grad.detach().abs()
+        c = torch.stack(
+            [
+                (a == 0).sum(),
+                (a < FP16_TINY).sum(),
+                torch.tensor(a.numel(), device=a.device, dtype=torch.int64),
+            ]
+        )
+        self.counts = c if self.counts is None else self.counts + c.to(self.counts.device)
+
+    @contextlib.contextmanager
+    def hooks(self, model: nn.Module) -> Iterator[ActGradCounter]:
+        """Count the activation gradients of ``model``'s leaf modules while open."""
+
+        def on_forward(_mod: nn.Module, _inp: Any, out: Any) -> None:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.requires_grad:
+                    t.register_hook(self._add)
+
+        handles = [
+            m.register_forward_hook(on_forward)
+            for m in model.modules()
+            if next(m.children(), None) is None
+        ]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def fractions(self, counts: list[float] | None) -> dict[str, float | None]:
+        """The row figures from host ``counts`` ([zero, below_normal, total])."""
+        if not counts or counts[2] <= 0:
+            return dict.fromkeys(ROW_KEYS)
+        return {
+            "act_grad_underflow_frac": counts[1] / counts[2],
+            "act_grad_zero_frac": counts[0] / counts[2],
+        }
+
+
+class ActGradProbe:
+    """The trainer's log-step probe (:class:`ampctl.train.metrics.Probe`) for
+    :class:`ActGradCounter`: hooks open for the log step's forward and backward passes, the
+    three counts summed over ranks on the log read, two row keys (:data:`ROW_KEYS`)."""
+
+    def __init__(self) -> None:
+        self._counter: ActGradCounter | None = None
+
+    @contextlib.contextmanager
+    def sampling(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        self._counter = None
+        if not enabled:
+            yield
+            return
+        counter = ActGradCounter()
+        with counter.hooks(model):
+            self._counter = counter
+            yield
+
+    def figures(self, fig: Any) -> None:
+        """Add the counts to the log read (no host read here)."""
+        c = self._counter
+        if c is None:
+            return
+        counts = c.counts if c.counts is not None else torch.zeros(3, dtype=torch.int64)
+        fig.add("act_grad_counts", counts.double(), "sum", vector=True)
+
+    def row(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The row keys from the read ``values`` (host numbers)."""
+        c, self._counter = self._counter, None
+        if c is None:
+            return {}
+        return c.fractions(values.get("act_grad_counts"))
