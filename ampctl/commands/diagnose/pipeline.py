@@ -20,6 +20,7 @@ from ampctl.errors import UsageError, first_line
 
 from . import readers
 from .common import STATE_KINDS
+from .fp8 import fp8_problems
 from .health import scaler_history_rows, state_health
 from .history import branch_of, foreign_history, history_problems, run_history
 from .readers.base import Found, ReaderError
@@ -136,6 +137,8 @@ def _replay(
             dev,
         )
     try:
+        if precision == "fp8":
+            _require_torchao()
         if found.format == "ampctl":
             if cfg is None:
                 raise ReplaySkipped(cfg_reason)
@@ -158,6 +161,24 @@ def _replay(
         return run_replay(inp)
     except ReplaySkipped as e:
         return skipped(str(e), precision, dev)
+
+
+def _require_torchao() -> None:
+    """The fp8 replay needs torchao: skip it with the install hint when it is missing."""
+    from ampctl.amp import fp8
+
+    try:
+        fp8.require_torchao()
+    except fp8.Fp8Unavailable as e:
+        raise ReplaySkipped(str(e)) from None
+
+
+def _fp8_of(rep: dict[str, Any]) -> dict[str, Any] | None:
+    """The report's ``fp8`` section: the replay's, or why there is none for an fp8 replay."""
+    section = rep.pop("fp8", None)
+    if section is None and rep.get("precision") == "fp8":
+        section = {"ran": False, "reason": rep.get("reason") or "no fp8 layer was replayed"}
+    return section
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -237,8 +258,9 @@ def diagnose(
         batches=batches,
         data_file=data_file,
     )
+    fp8_section = _fp8_of(rep)
     if rep["ran"]:
-        problems += replay_problems(rep)
+        problems += replay_problems(rep) + fp8_problems(fp8_section)
 
     settings = _settings(found, cfg, state["scaler"])
     recs = recommend(
@@ -251,6 +273,7 @@ def diagnose(
         rep if rep["ran"] else None,
         problems,
         bf16_supported(dev),
+        fp8=fp8_section,
     )
     own_bad = sorted({p["kind"] for p in problems if p["kind"] in STATE_KINDS})
     checkpoints = [
@@ -264,6 +287,7 @@ def diagnose(
         state=state,
         history=hist,
         replay=rep,
+        fp8=fp8_section,
         problems=problems,
         recommendations=recs,
         checkpoints=checkpoints,
