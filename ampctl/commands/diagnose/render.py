@@ -27,6 +27,8 @@ def _header(report: dict[str, Any], console: Any) -> None:
     )
     mods = f", fp32 modules: {', '.join(c['fp32_modules'])}" if c["fp32_modules"] else ""
     step = c["step"] if c["step"] is not None else "unknown"
+    if c["step"] is None and not report["checkpoints"]:
+        step = "- (no checkpoint)"
     _say(console, f"step {step}, precision {prec}{src}{mods}")
     if report.get("branch"):
         _say(console, f"branch: {report['branch']['text']}")
@@ -41,6 +43,10 @@ def _state(st: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    if not st["weights"]["tensors"] and st["master"] is None and st["optimizer"] is None:
+        _say(console, "1. State health: no checkpoint read (nothing to check)", "dim")
+        _scaler(st["scaler"], console)
+        return
     t = Table(title="1. State health", title_justify="left", show_edge=False)
     for col in ("section", "tensors", "max |x|", "limit", "bad tensors"):
         t.add_column(col)
