@@ -54,7 +54,11 @@ def _headroom(fmt: str, amax: float) -> float:
 
 
 def _layer(
-    name: str, row: Mapping[str, float], formats: Mapping[str, str], sat_max: float, under_max: float
+    name: str,
+    row: Mapping[str, float],
+    formats: Mapping[str, str],
+    sat_max: float,
+    under_max: float,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name, "formats": dict(formats)}
     why: list[str] = []

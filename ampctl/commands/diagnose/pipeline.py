@@ -318,7 +318,12 @@ def diagnose(
     checkpoints = []
     if found.raw is not None or found.weights or found.optimizer is not None:
         checkpoints.append(
-            {"path": str(found.path), "step": found.step, "healthy": not own_bad, "problems": own_bad}
+            {
+                "path": str(found.path),
+                "step": found.step,
+                "healthy": not own_bad,
+                "problems": own_bad,
+            }
         )
     checkpoints += _sibling_health(found)
     healthy = [c["path"] for c in checkpoints if c["healthy"]]

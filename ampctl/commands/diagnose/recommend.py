@@ -240,9 +240,7 @@ def resume_overrides(recs: list[dict[str, Any]]) -> list[str]:
     return [
         r["override"]
         for r in recs
-        if r["override"].startswith(
-            ("precision.fp32_modules=", "precision.fp8_exclude=", "optim.")
-        )
+        if r["override"].startswith(("precision.fp32_modules=", "precision.fp8_exclude=", "optim."))
     ]
 
 
