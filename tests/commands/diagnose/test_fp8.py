@@ -119,7 +119,9 @@ def test_the_render_shows_the_fp8_table(fp8_run, tmp_path):
     from ampctl.cli import app
 
     run = _variant(fp8_run, tmp_path / "planted", _plant)
-    res = CliRunner().invoke(app, ["diagnose", str(run), "--device", "cpu", "-b", "1"])
+    res = CliRunner().invoke(
+        app, ["diagnose", str(run), "--device", "cpu", "-b", "1"], env={"COLUMNS": "200"}
+    )
     assert res.exit_code == 1, res.output
     out = " ".join(res.stdout.replace("│", " ").split())
     assert "fp8 casts (tensorwise): max |x| (headroom below e4m3 max 448 / e5m2 max 57344)" in out

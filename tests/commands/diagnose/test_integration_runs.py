@@ -94,7 +94,9 @@ def test_a_protected_run_without_checkpoints_reports_its_history(loop_run):
 
 
 def test_the_rendered_history_names_the_overflow_step(loop_run):
-    res = CliRunner().invoke(app, ["diagnose", str(loop_run), "--device", "cpu"])
+    res = CliRunner().invoke(
+        app, ["diagnose", str(loop_run), "--device", "cpu"], env={"COLUMNS": "200"}
+    )
     assert res.exit_code == 0, res.output
     out = " ".join(res.stdout.replace("│", " ").split())
     assert "first overflow step 5 (from events)" in out
