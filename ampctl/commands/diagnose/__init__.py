@@ -11,6 +11,7 @@ The parts, one file each:
   which branch of an ampctl run folder was read;
 * :mod:`.replay` -- 3. a few batches replayed in fp32 and the run's precision with hooks
   (ampctl configs behind the trust rule; Hugging Face models from ``config.json``);
+* :mod:`.fp8` -- 3. for fp8 runs, each fp8 layer's cast headroom in e4m3/e5m2 terms;
 * :mod:`.recommend` -- 4. overrides in ampctl's and the user's own terms, and where to resume;
 * :mod:`.report` -- the report dict (its JSON schema is documented there);
 * :mod:`.render` -- rich output; :mod:`.pipeline` -- one diagnosis start to end.

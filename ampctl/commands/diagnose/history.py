@@ -28,6 +28,7 @@ from .readers.base import ForeignHistory
 
 __all__ = [
     "overflow_bursts",
+    "event_bursts",
     "grad_norm_trend",
     "run_history",
     "foreign_history",
@@ -62,6 +63,26 @@ def overflow_bursts(rows: Iterable[tuple[int, float, bool]]) -> list[dict[str, A
             }
         )
         i = j + 1
+    return bursts
+
+
+def event_bursts(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs of consecutive steps with an overflow event (a run without the scaler's per-update
+    record, e.g. no checkpoint): ``scale`` is the scale the first event reports after its
+    backoff; ``after_growth`` is unknown there, so False. Pure function."""
+    steps = sorted(
+        {int(s): e for e in events if (s := as_number(e.get("step"))) is not None}.items()
+    )
+    bursts: list[dict[str, Any]] = []
+    for step, e in steps:
+        if bursts and bursts[-1]["end"] == step - 1:
+            bursts[-1]["end"] = step
+            bursts[-1]["length"] += 1
+            continue
+        scale = as_number(e.get("scale"))
+        bursts.append(
+            {"start": step, "end": step, "length": 1, "scale": scale, "after_growth": False}
+        )
     return bursts
 
 
@@ -135,6 +156,7 @@ def _empty(source: str) -> dict[str, Any]:
         "grad_norm": None,
         "promotions": [],
         "fallbacks": [],
+        "aborted": None,
         "notes": [],
     }
 
@@ -188,7 +210,7 @@ def branch_of(ckpt: Path, run_dir: Path | None) -> dict[str, Any] | None:
 
 
 def _records(
-    run_dir: Path, step_limit: int, branch: dict[str, Any] | None
+    run_dir: Path, step_limit: int | None, branch: dict[str, Any] | None
 ) -> tuple[list, list, list[str]]:
     """Metrics rows and events up to ``step_limit``; an archived branch is preceded by the main
     line's rows up to the fork."""
@@ -205,13 +227,14 @@ def _records(
 # ---------------------------------------------------------------------------- ampctl runs
 def run_history(
     run_dir: Path,
-    step_limit: int,
+    step_limit: int | None,
     scaler_rows: list[tuple[int, float, bool]],
     scaler: dict[str, Any] | None,
     branch: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """What an ampctl run folder's metrics, events and the scaler's record say (rows up to the
-    checkpoint's step). None when the folder has neither metrics nor events."""
+    checkpoint's step; all of them when ``step_limit`` is None: a folder without checkpoints).
+    None when the folder has neither metrics nor events."""
     lay = RunLayout(run_dir)
     if not lay.metrics.is_file() and not lay.events.is_file():
         return None
@@ -253,7 +276,12 @@ def run_history(
     pts = [(_step(r), as_number(r.get("scale"))) for r in metrics]
     pts = [(s, v) for s, v in pts if v is not None and (first_hist is None or s < first_hist)]
     pts += [(s, v) for s, v, _ in scaler_rows]
-    if scaler is not None and scaler.get("enabled") and scaler.get("scale") is not None:
+    if (
+        step_limit is not None
+        and scaler is not None
+        and scaler.get("enabled")
+        and scaler.get("scale") is not None
+    ):
         pts.append((step_limit, float(scaler["scale"])))
 
     out = _empty("run folder")
@@ -267,7 +295,7 @@ def run_history(
         first_nonfinite_grad_norm_step=min(gn_bad) if gn_bad else None,
         forward_overflows=sum(1 for e in overflow_events if e.get("overflow") == "forward"),
         scale_trajectory=_scale_changes(pts),
-        bursts=overflow_bursts(scaler_rows),
+        bursts=overflow_bursts(scaler_rows) if scaler_rows else event_bursts(overflow_events),
         scaler_records=len(scaler_rows),
         break_step=first_nan,
         promotions=[
@@ -278,6 +306,14 @@ def run_history(
             for e in events
             if e.get("kind") == "fallback"
         ],
+        aborted=next(
+            (
+                {"step": _step(e), "message": str(e.get("message", ""))}
+                for e in events
+                if e.get("kind") == "abort"
+            ),
+            None,
+        ),
         notes=notes,
     )
     _trend(out, metrics, first_nan)
@@ -352,6 +388,15 @@ def history_problems(h: dict[str, Any], scaler: dict[str, Any] | None) -> list[d
         if h["promotions"]:
             msg += f"; the guard moved {', '.join(h['promotions'])} to fp32"
         problems.append(problem("nan_loss", msg, step=step))
+    ab = h.get("aborted")
+    if ab is not None:
+        problems.append(
+            problem(
+                "run_aborted",
+                f"the guard aborted the run at step {ab['step']}: {ab['message']}",
+                step=ab["step"],
+            )
+        )
     gstep = h["first_nonfinite_grad_norm_step"]
     if gstep is not None and h["source"] != "run folder":
         problems.append(

@@ -17,9 +17,11 @@ import torch
 
 from ampctl.amp import PRECISIONS, bf16_supported
 from ampctl.errors import UsageError, first_line
+from ampctl.runlog import RunLayout
 
 from . import readers
 from .common import STATE_KINDS
+from .fp8 import fp8_problems
 from .health import scaler_history_rows, state_health
 from .history import branch_of, foreign_history, history_problems, run_history
 from .readers.base import Found, ReaderError
@@ -64,7 +66,7 @@ def _trusted_config(found: Found, trust_code: bool) -> tuple[Any, str | None]:
     from ampctl.trust import UntrustedConfigError
 
     if found.config is None:
-        return None, "the checkpoint holds no config: the model cannot be rebuilt"
+        return None, _unrecorded_model(found)
     try:
         return config_from_saved(
             found.config, [], source=str(found.path), trust_code=trust_code
@@ -81,6 +83,40 @@ def _trusted_config(found: Found, trust_code: bool) -> tuple[Any, str | None]:
         )
     except ConfigError as e:
         return None, f"the checkpoint's config is not valid: {first_line(e)}"
+
+
+#: Integration names in config.yaml -> the format whose terms the user's own setup speaks.
+_INTEGRATION_TERMS = {"lightning": "lightning", "transformers": "hf-trainer"}
+
+
+def integration_of(found: Found) -> str | None:
+    """The ampctl integration that wrote the run folder (``config.yaml``'s ``integration``)."""
+    who = (found.run_config or {}).get("integration")
+    return who if isinstance(who, str) else None
+
+
+def _unrecorded_model(found: Found) -> str:
+    """Why a run without an ampctl config (no checkpoint, or one without config, e.g. a loop
+    under ProtectedRun) cannot be replayed: the model is the user's code."""
+    model = (found.run_config or {}).get("model")
+    target = model.get("_target_") if isinstance(model, dict) else None
+    who = integration_of(found)
+    by = f"written by ampctl's '{who}' integration" if who else "with no ampctl config"
+    head = (
+        "no checkpoint in this run folder"
+        if found.raw is None and not found.weights
+        else "its checkpoint holds no config ampctl can rebuild the model from"
+    )
+    if isinstance(target, str):
+        return (
+            f"a run {by} and {head}: the model is your code (model._target_={target!r} in "
+            f"{RunLayout.CONFIG}), imported only from a checkpoint's ampctl config with "
+            "--trust-code; save the run's config in its checkpoints to replay"
+        )
+    return (
+        f"a run {by} and {head}: the model is your code and the run does not record it "
+        "(no model._target_), so ampctl cannot rebuild it"
+    )
 
 
 def _saved_number(config: dict[str, Any] | None, group: str, key: str) -> float | None:
@@ -136,6 +172,8 @@ def _replay(
             dev,
         )
     try:
+        if precision == "fp8":
+            _require_torchao()
         if found.format == "ampctl":
             if cfg is None:
                 raise ReplaySkipped(cfg_reason)
@@ -149,6 +187,8 @@ def _replay(
                 data_file=data_file,
                 scaler=found.scaler,
             )
+        elif found.run_dir is not None:
+            raise ReplaySkipped(_unrecorded_model(found))
         else:
             raise ReplaySkipped(
                 f"{found.format}: the checkpoint stores weights but not the model's class, so "
@@ -158,6 +198,24 @@ def _replay(
         return run_replay(inp)
     except ReplaySkipped as e:
         return skipped(str(e), precision, dev)
+
+
+def _require_torchao() -> None:
+    """The fp8 replay needs torchao: skip it with the install hint when it is missing."""
+    from ampctl.amp import fp8
+
+    try:
+        fp8.require_torchao()
+    except fp8.Fp8Unavailable as e:
+        raise ReplaySkipped(str(e)) from None
+
+
+def _fp8_of(rep: dict[str, Any]) -> dict[str, Any] | None:
+    """The report's ``fp8`` section: the replay's, or why there is none for an fp8 replay."""
+    section = rep.pop("fp8", None)
+    if section is None and rep.get("precision") == "fp8":
+        section = {"ran": False, "reason": rep.get("reason") or "no fp8 layer was replayed"}
+    return section
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -220,7 +278,7 @@ def diagnose(
     hist = None
     if found.run_dir is not None:
         hist = run_history(
-            found.run_dir, found.step or 0, scaler_history_rows(found), state["scaler"], branch
+            found.run_dir, found.step, scaler_history_rows(found), state["scaler"], branch
         )
     elif found.history is not None:
         hist = foreign_history(found.history, found.step)
@@ -237,12 +295,15 @@ def diagnose(
         batches=batches,
         data_file=data_file,
     )
+    fp8_section = _fp8_of(rep)
     if rep["ran"]:
-        problems += replay_problems(rep)
+        problems += replay_problems(rep) + fp8_problems(fp8_section)
 
     settings = _settings(found, cfg, state["scaler"])
+    who = integration_of(found)
+    terms = _INTEGRATION_TERMS.get(who or "", "state-dict") if who else found.format
     recs = recommend(
-        found.format,
+        terms,
         settings,
         found.precision,
         list(found.fp32_modules),
@@ -251,25 +312,40 @@ def diagnose(
         rep if rep["ran"] else None,
         problems,
         bf16_supported(dev),
+        fp8=fp8_section,
     )
     own_bad = sorted({p["kind"] for p in problems if p["kind"] in STATE_KINDS})
-    checkpoints = [
-        {"path": str(found.path), "step": found.step, "healthy": not own_bad, "problems": own_bad}
-    ]
+    checkpoints = []
+    if found.raw is not None or found.weights or found.optimizer is not None:
+        checkpoints.append(
+            {
+                "path": str(found.path),
+                "step": found.step,
+                "healthy": not own_bad,
+                "problems": own_bad,
+            }
+        )
     checkpoints += _sibling_health(found)
     healthy = [c["path"] for c in checkpoints if c["healthy"]]
     resume_ck = healthy[0] if healthy else None
+    command = resume_command(terms, resume_ck, recs, len(checkpoints))
+    if who is not None and not checkpoints:
+        command = (
+            f"no checkpoint in the run folder: rerun your loop ({who} integration) from your "
+            "own last checkpoint, with the changes above"
+        )
     return build_report(
         found,
         state=state,
         history=hist,
         replay=rep,
+        fp8=fp8_section,
         problems=problems,
         recommendations=recs,
         checkpoints=checkpoints,
         resume={
             "checkpoint": resume_ck,
-            "command": resume_command(found.format, resume_ck, recs, len(checkpoints)),
+            "command": command,
         },
         branch=branch,
     )

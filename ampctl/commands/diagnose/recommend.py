@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from .common import plain
+from .fp8 import fp8_findings
 
 __all__ = ["recommend", "yours", "resume_command", "resume_overrides", "Settings"]
 
@@ -88,6 +89,11 @@ def yours(fmt: str, override: str) -> str | None:
             f"run {mods} in fp32: wrap its forward in torch.autocast(device_type, enabled=False) "
             "with float32 inputs (or train under ampctl's guard, which does it for you)"
         )
+    if key == "precision.fp8_exclude":
+        return (
+            f"keep {value.strip('[]')} out of torchao's convert_to_float8_training "
+            "(module_filter_fn returns False for them)"
+        )
     if key == "precision":
         return f"train in {value}"
     return None
@@ -122,7 +128,10 @@ def recommend(
     rep: dict[str, Any] | None,
     problems: list[dict[str, Any]],
     bf16_ok: bool,
+    *,
+    fp8: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """The recommendations, rule by rule (numbered below); ``fp8``: the report's fp8 section."""
     recs: list[dict[str, Any]] = []
     kinds = {p["kind"] for p in problems}
     scaler = state["scaler"]
@@ -160,6 +169,9 @@ def recommend(
         add(
             f"precision={last['to']}", f"the guard fell back to {last['to']} at step {last['step']}"
         )
+    # 2b) fp8: keep the layers with too little headroom out of fp8 (the config key the plugin
+    #     excludes layers with); bf16 when a cast went non-finite or half the layers are tight
+    _fp8_rules(fp8, add, bf16_ok)
     # 3) loss scale
     g = rep["gradients"] if rep else None
     if g is not None and ({"gradient_underflow", "backward_overflow"} & kinds):
@@ -201,13 +213,34 @@ def recommend(
     return recs
 
 
+def _fp8_rules(fp8: dict[str, Any] | None, add: Any, bf16_ok: bool) -> None:
+    bad = fp8_findings(fp8)
+    if not bad:
+        return
+    names = [m["name"] for m in bad]
+    patterns = list(dict.fromkeys([*fp8["exclude"], *names]))
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    add(
+        f"precision.fp8_exclude=[{','.join(patterns)}]",
+        f"{first['name']}{more}: {first['findings'][0]}; keep {'it' if len(bad) == 1 else 'them'}"
+        " out of fp8 (bf16, as the guard's demotion does), the other layers stay in fp8",
+    )
+    if bf16_ok and (any(m["nonfinite"] for m in bad) or 2 * len(bad) >= len(fp8["layers"])):
+        add(
+            "precision=bf16",
+            "fp8 casts went non-finite or half the fp8 layers lack headroom: fall back to bf16 "
+            "if excluding them does not cure it",
+        )
+
+
 def resume_overrides(recs: list[dict[str, Any]]) -> list[str]:
     """Overrides that take effect on ``ampctl train --resume`` (precision and scaler state come
     from the checkpoint there)."""
     return [
         r["override"]
         for r in recs
-        if r["override"].startswith(("precision.fp32_modules=", "optim."))
+        if r["override"].startswith(("precision.fp32_modules=", "precision.fp8_exclude=", "optim."))
     ]
 
 

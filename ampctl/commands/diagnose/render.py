@@ -27,6 +27,8 @@ def _header(report: dict[str, Any], console: Any) -> None:
     )
     mods = f", fp32 modules: {', '.join(c['fp32_modules'])}" if c["fp32_modules"] else ""
     step = c["step"] if c["step"] is not None else "unknown"
+    if c["step"] is None and not report["checkpoints"]:
+        step = "- (no checkpoint)"
     _say(console, f"step {step}, precision {prec}{src}{mods}")
     if report.get("branch"):
         _say(console, f"branch: {report['branch']['text']}")
@@ -41,6 +43,10 @@ def _state(st: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    if not st["weights"]["tensors"] and st["master"] is None and st["optimizer"] is None:
+        _say(console, "1. State health: no checkpoint read (nothing to check)", "dim")
+        _scaler(st["scaler"], console)
+        return
     t = Table(title="1. State health", title_justify="left", show_edge=False)
     for col in ("section", "tensors", "max |x|", "limit", "bad tensors"):
         t.add_column(col)
@@ -263,6 +269,58 @@ def _replay(r: dict[str, Any], console: Any) -> None:
     _gradients(r["gradients"], console)
 
 
+def _head(x: Any) -> str:
+    v = as_number(x)
+    if v is None or math.isnan(v):
+        return "non-finite"
+    return "-" if math.isinf(v) else f"2^{v:.1f}"
+
+
+def _pct(x: Any) -> str:
+    v = as_number(x)
+    return f"{v:.2%}" if v is not None and math.isfinite(v) else str(x)
+
+
+def _fp8(f: dict[str, Any] | None, console: Any) -> None:
+    """Per fp8 layer: amax and headroom of each cast below e4m3's / e5m2's max."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if f is None:
+        return
+    if not f["ran"]:
+        _say(console, f"fp8 casts: not replayed ({f['reason']})", "yellow")
+        return
+    t = Table(
+        title=f"fp8 casts ({f['recipe']}): max |x| (headroom below e4m3 max 448 / e5m2 max "
+        "57344), least headroom first",
+        title_justify="left",
+        show_edge=False,
+    )
+    t.add_column("fp8 layer", overflow="fold", ratio=1, min_width=16)
+    fmts = f["layers"][0]["formats"] if f["layers"] else {}
+    for role, label in (("in", "input"), ("w", "weight"), ("go", "grad")):
+        t.add_column(f"{label} {fmts.get(role, '')}", justify="right", no_wrap=True)
+    t.add_column("sat", justify="right", no_wrap=True)
+    t.add_column("grad->0", justify="right", no_wrap=True)
+    for m in f["layers"][:12]:
+        style = "red" if m["nonfinite"] else ("yellow" if m["findings"] else "")
+        t.add_row(
+            Text(m["name"], style=style),
+            *(
+                f"{fmt(m[f'{r}_amax'], '.3g')} ({_head(m[f'{r}_headroom_log2'])})"
+                for r in ("in", "w", "go")
+            ),
+            _pct(m["sat"]),
+            _pct(m["go_under"]),
+        )
+    if len(f["layers"]) > 12:
+        t.add_row(f"... {len(f['layers']) - 12} more", *[""] * 5)
+    console.print(t)
+    if f["demoted"]:
+        _say(console, f"kept demoted (bf16) as the run had them: {', '.join(f['demoted'])}")
+
+
 def _modules(r: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -367,7 +425,10 @@ def _checkpoints(report: dict[str, Any], console: Any) -> None:
             report["format"] == "ampctl"
             and res["checkpoint"]
             and any(
-                not r["override"].startswith(("precision.fp32_modules=", "optim.")) for r in recs
+                not r["override"].startswith(
+                    ("precision.fp32_modules=", "precision.fp8_exclude=", "optim.")
+                )
+                for r in recs
             )
         ):
             _say(
@@ -383,4 +444,5 @@ def render(report: dict[str, Any], console: Any) -> None:
     _state(report["state"], console)
     _history(report["history"], console)
     _replay(report["replay"], console)
+    _fp8(report.get("fp8"), console)
     _verdict(report, console)

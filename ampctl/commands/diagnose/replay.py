@@ -46,9 +46,10 @@ from ampctl.amp.formats import (
     recommended_init_scale,
 )
 from ampctl.amp.locate import ModuleTrace, first_bad, trace_modules
-from ampctl.errors import first_line
+from ampctl.errors import UsageError, first_line
 
 from .common import finite
+from .fp8 import fp8_layers
 
 __all__ = ["ReplayInput", "ReplaySkipped", "run_replay", "skipped"]
 
@@ -77,6 +78,10 @@ class ReplayInput:
     fp32_modules: list[str] = field(default_factory=list)
     exempt: list[str] = field(default_factory=list)
     data: str = "the run's next batches"
+    options: dict[str, Any] = field(default_factory=dict)  # plugin options (fp8 recipe ...)
+    precision_state: dict[str, Any] | None = None  # the checkpoint's (fp8 demotions)
+    fp8_sat_threshold: float = 0.10  # the guard's demotion thresholds (the run's config)
+    fp8_under_threshold: float = 0.01
 
 
 def skipped(reason: str, precision: str | None, device: torch.device | str) -> dict[str, Any]:
@@ -192,14 +197,24 @@ def _reference_pass(inp: ReplayInput) -> dict[str, Any]:
 
 def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
     policy = PrecisionPolicy(
-        name=inp.precision, fp32_modules=list(inp.fp32_modules), device_type=inp.device.type
+        name=inp.precision,
+        fp32_modules=list(inp.fp32_modules),
+        device_type=inp.device.type,
+        options=inp.options,
     )
     exempted: list[str] = []
     try:
-        for n in inp.exempt:
-            if policy.exempt(inp.model, n):
-                exempted.append(n)
-        policy.prepare(inp.model)
+        if inp.precision == "fp8":  # as the trainer: convert, demote again, then exempt
+            policy.prepare(inp.model)
+            policy.restore(inp.model, inp.precision_state or {})
+            exempted = [n for n in inp.exempt if policy.exempt(inp.model, n)]
+        else:
+            for n in inp.exempt:
+                if policy.exempt(inp.model, n):
+                    exempted.append(n)
+            policy.prepare(inp.model)
+    except UsageError as e:  # fp8: torchao missing, a bad recipe or exclusion list
+        raise ReplaySkipped(first_line(e)) from None
     except (AttributeError, ValueError) as e:
         raise ReplaySkipped(
             f"the checkpoint's fp32 modules do not fit the model: {first_line(e)}"
@@ -209,8 +224,9 @@ def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
 
 
 def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> dict[str, Any]:
-    """The run's precision, with hooks: module headroom, first non-finite forward/backward."""
-    model, scale = inp.model, inp.scale
+    """The run's precision, with hooks: module headroom, first non-finite forward/backward;
+    under fp8 also the cast figures of every fp8 layer (kept on the device)."""
+    model = inp.model
     named = _params(model)
     st: dict[str, Any] = {
         "losses": [],
@@ -223,40 +239,68 @@ def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> dict
         "figs": [],
         "nonfinite_params": [],
     }
-    for i, b in enumerate(inp.batches):
-        model.zero_grad(set_to_none=True)
-        with _seeded(inp.seed + inp.positions[i], inp.device):
-            fwd, bwd = trace_modules(
-                model,
-                lambda b=b: _loss(model, b, policy.autocast, st["losses"], inp.accum) * scale,
-                backward=True,
-            )
-        for t in fwd:
-            m = st["modules"].setdefault(
-                t.name, {"name": t.name, "dtype": t.dtype, "amax": 0.0, "bad": False}
-            )
-            m["amax"] = max(m["amax"], t.amax)
-            m["bad"] = m["bad"] or t.bad
-            if t.neginf and not t.bad and t.name not in st["masked"]:
-                st["masked"].append(t.name)
-        fb = first_bad(fwd)
-        if fb is not None and st["fwd_first"] is None:
-            st["fwd_first"] = (fb, i)
-        bb = next((t for t in bwd if _bad_backward(t)), None)
-        if bb is not None and st["bwd_first"] is None:
-            st["bwd_first"] = _where(bb, i, inp.positions[i])
-        for t in bwd:
-            if t.dtype == low:
-                st["low_grad_modules"].add(t.name)
-                if not _bad_backward(t):
-                    st["act_scaled_max"] = max(st["act_scaled_max"], t.amax)
-        grads = [p.grad for _, p in named if p.grad is not None]
-        st["figs"].append(_grad_figures([g.float() / scale for g in grads], scale, inp.device))
-        for n in nonfinite_tensor_names((n, p.grad) for n, p in named):
-            if n not in st["nonfinite_params"]:
-                st["nonfinite_params"].append(n)
+    with _fp8_probe(inp, policy) as probe:
+        for i, b in enumerate(inp.batches):
+            _precision_batch(inp, policy, low, st, named, i, b)
+    st["fp8_probe"] = probe
     model.zero_grad(set_to_none=True)
     return st
+
+
+@contextlib.contextmanager
+def _fp8_probe(inp: ReplayInput, policy: PrecisionPolicy) -> Iterator[Any]:
+    """:func:`ampctl.amp.fp8.probe` over the fp8 pass (None for other precisions)."""
+    if policy.name != "fp8":
+        yield None
+        return
+    from ampctl.amp import fp8
+
+    with fp8.probe(inp.model) as p:
+        yield p
+
+
+def _precision_batch(
+    inp: ReplayInput,
+    policy: PrecisionPolicy,
+    low: str,
+    st: dict[str, Any],
+    named: list[tuple[str, nn.Parameter]],
+    i: int,
+    b: dict[str, torch.Tensor],
+) -> None:
+    """Batch ``i`` of the precision pass, its figures added to ``st`` (on the device)."""
+    model, scale = inp.model, inp.scale
+    model.zero_grad(set_to_none=True)
+    with _seeded(inp.seed + inp.positions[i], inp.device):
+        fwd, bwd = trace_modules(
+            model,
+            lambda b=b: _loss(model, b, policy.autocast, st["losses"], inp.accum) * scale,
+            backward=True,
+        )
+    for t in fwd:
+        m = st["modules"].setdefault(
+            t.name, {"name": t.name, "dtype": t.dtype, "amax": 0.0, "bad": False}
+        )
+        m["amax"] = max(m["amax"], t.amax)
+        m["bad"] = m["bad"] or t.bad
+        if t.neginf and not t.bad and t.name not in st["masked"]:
+            st["masked"].append(t.name)
+    fb = first_bad(fwd)
+    if fb is not None and st["fwd_first"] is None:
+        st["fwd_first"] = (fb, i)
+    bb = next((t for t in bwd if _bad_backward(t)), None)
+    if bb is not None and st["bwd_first"] is None:
+        st["bwd_first"] = _where(bb, i, inp.positions[i])
+    for t in bwd:
+        if t.dtype == low:
+            st["low_grad_modules"].add(t.name)
+            if not _bad_backward(t):
+                st["act_scaled_max"] = max(st["act_scaled_max"], t.amax)
+    grads = [p.grad for _, p in named if p.grad is not None]
+    st["figs"].append(_grad_figures([g.float() / scale for g in grads], scale, inp.device))
+    for n in nonfinite_tensor_names((n, p.grad) for n, p in named):
+        if n not in st["nonfinite_params"]:
+            st["nonfinite_params"].append(n)
 
 
 def _gradients(
@@ -344,7 +388,39 @@ def run_replay(inp: ReplayInput) -> dict[str, Any]:
         "backward_first_bad": low["bwd_first"],
         "gradients": _gradients(inp, ref, low, ref_vals, low_vals) if scaled else None,
         "exempted": exempted,
+        "fp8": _fp8_section(inp, policy, low["fp8_probe"]),
         "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def _fp8_section(inp: ReplayInput, policy: Any, probe: Any) -> dict[str, Any] | None:
+    """The report's ``fp8`` section from the probe of the fp8 pass (None for other
+    precisions). **Syncs** once: the probe's rows."""
+    if probe is None:
+        return None
+    from ampctl.amp import fp8
+
+    rows = probe.rows().cpu().tolist()
+    names = list(probe.names)
+    formats = {n: fp8.cast_formats(inp.model.get_submodule(n)) for n in names}
+    return {
+        "ran": True,
+        "reason": None,
+        "recipe": policy.recipe,
+        "exclude": list(policy.exclude),
+        "converted": fp8.converted_layers(inp.model),
+        "demoted": dict(policy.demoted),
+        "excluded": dict(policy.skipped),
+        "sat_threshold": inp.fp8_sat_threshold,
+        "under_threshold": inp.fp8_under_threshold,
+        "layers": fp8_layers(
+            names,
+            rows,
+            fp8.FIELDS,
+            formats,
+            sat_threshold=inp.fp8_sat_threshold,
+            under_threshold=inp.fp8_under_threshold,
+        ),
     }
 
 
@@ -405,6 +481,10 @@ def ampctl_input(
         seed=int(cfg.trainer.seed),
         fp32_modules=list(cfg.precision.fp32_modules),
         exempt=list(found.fp32_modules),
+        options=cfg.precision.options(),
+        precision_state=ck.get("precision") if isinstance(ck.get("precision"), dict) else None,
+        fp8_sat_threshold=float(cfg.guard.fp8_sat_threshold),
+        fp8_under_threshold=float(cfg.guard.fp8_under_threshold),
     )
 
 

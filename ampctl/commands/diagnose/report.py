@@ -41,7 +41,9 @@ value a format does not record is ``null`` ("unknown"), never 0::
         "grad_amax", "learning_rate"}],
         "loss": {"first", "first_step", "min", "min_step", "last", "last_step"} | null,
         "grad_norm": {"baseline", "peak", "peak_step", "ratio", "exploded"} | null,
-        "promotions": [module], "fallbacks": [{"step", "from", "to"}], "notes": [str],
+        "promotions": [module], "fallbacks": [{"step", "from", "to"}],
+        "aborted": {"step", "message"} | null,           # the guard's abort event
+        "notes": [str],
         "columns": {role: column}                        # other tools' logs only
       },
       "replay": {                                        # skipped: ran, reason, precision, device
@@ -60,6 +62,21 @@ value a format does not record is ``null`` ("unknown"), never 0::
                       "nonfinite_params": [name]} | null,   # fp16 / fp16-pure only
         "exempted": [module], "elapsed_s"
       },
+      "fp8": null | {                                    # null unless the replay runs in fp8
+        "ran": bool, "reason": str|null,                 # not ran: only these two keys
+        "recipe": "tensorwise"|"rowwise", "exclude": [pattern],   # the run's, as replayed
+        "converted": [layer], "demoted": {layer: why},   # demotions restored from the checkpoint
+        "excluded": {layer: why}, "sat_threshold", "under_threshold",   # the run's guard.fp8_*
+        "layers": [{                                     # non-finite first, then least headroom
+          "name", "formats": {"in", "w", "go": "e4m3"|"e5m2"|"hp"},
+          "in_amax", "w_amax", "go_amax",                # max |x| the input/weight/grad cast got
+          "in_headroom_log2", "w_headroom_log2", "go_headroom_log2",  # log2(format max / amax)
+          "in_sat", "w_sat", "go_sat",                   # share put at the format's max
+          "in_under", "w_under", "go_under",             # share of nonzero values flushed to 0
+          "headroom_log2", "sat", "under", "nonfinite": bool,   # worst over the three casts
+          "findings": [str]                              # why the layer is a finding ([]: fine)
+        }]
+      },
       "recommendations": [{"override": "key=value", "reason",
                            "yours": str|null}],           # the same in the writing tool's terms
       "checkpoints": [{"path", "step", "healthy", "problems": [kind]}],  # this one first
@@ -75,7 +92,14 @@ Problem kinds: ``bad_scale``, ``scale_collapsed``, ``nonfinite_weights``, ``extr
 ``extreme_optimizer_state``, ``scale_at_floor``, ``refused_file``, ``unreadable_file``,
 ``nan_loss``, ``nonfinite_grad_norm``, ``grad_norm_explosion``, ``overflow_after_growth``,
 ``forward_overflow``, ``forward_nonfinite_fp32``, ``nonfinite_loss``, ``backward_overflow``,
-``gradient_underflow``, ``activation_headroom``.
+``gradient_underflow``, ``activation_headroom``, ``run_aborted``, ``fp8_nonfinite`` (an fp8 cast
+went non-finite), ``fp8_headroom`` (fp8 layers with headroom below 2^1, or saturating / flushing
+to zero above the run's ``guard.fp8_sat_threshold`` / ``guard.fp8_under_threshold``: see
+:mod:`ampctl.commands.diagnose.fp8`; the recommendation is ``precision.fp8_exclude=[...]``).
+
+A run folder without checkpoints (e.g. written by :class:`ampctl.integrations.ProtectedRun`):
+``checkpoint.step`` is null, ``checkpoints`` is empty, ``state`` holds no tensors, and the
+history and the replay's reason are what is reported.
 
 Exit codes of ``ampctl diagnose``: 0 healthy, 1 problems found, 2 bad input.
 """
@@ -102,6 +126,7 @@ def build_report(
     state: dict[str, Any],
     history: dict[str, Any] | None,
     replay: dict[str, Any],
+    fp8: dict[str, Any] | None = None,
     problems: list[dict[str, Any]],
     recommendations: list[dict[str, Any]],
     checkpoints: list[dict[str, Any]],
@@ -128,6 +153,7 @@ def build_report(
         "state": state,
         "history": history,
         "replay": replay,
+        "fp8": fp8,
         "recommendations": recommendations,
         "checkpoints": checkpoints,
         "resume": resume,

@@ -1,8 +1,12 @@
 """ampctl's own checkpoints: ``runs/<run>/checkpoints/step_XXXXXXXX.pt`` (format
-``ampctl-checkpoint/1``), read through :func:`ampctl.train.checkpoint.load_checkpoint`
-(``weights_only=True``). A run folder gives its newest checkpoint and its history; a checkpoint
-inside an archived branch (``branches/NNN-stepS/checkpoints/``) is read with that branch's
-history.
+``ampctl-checkpoint/1``), read with ``weights_only=True``. A run folder gives its newest
+checkpoint and its history; a checkpoint inside an archived branch
+(``branches/NNN-stepS/checkpoints/``) is read with that branch's history.
+
+Run folders written by the integrations (:class:`ampctl.integrations.ProtectedRun`, the
+Lightning callback) hold metrics, events and a summary, and checkpoints only when the loop saved
+some there: without one the folder is read for its history alone; a ``step_*.pt`` without the
+format tag is read as a plain state dict, with the folder's history.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from typing import Any
 
 import torch
 
-from ampctl.runlog import RunLayout, is_run_dir
+from ampctl.runlog import RunLayout, RunRecord, is_run_dir
 from ampctl.runlog.layout import CHECKPOINT_NAME, list_checkpoints
+from ampctl.runlog.readers import read_config_text
 
-from .base import Found, ReaderError
+from . import plain
+from .base import Found, ReaderError, load_torch
 
 __all__ = ["FORMAT_NAME", "claims", "read", "read_loaded", "resolve"]
 
@@ -47,22 +53,80 @@ def _run_dir_of(given: Path, ckpt: Path) -> Path | None:
 
 
 def read(path: Path) -> Found:
-    from ampctl.train.checkpoint import load_checkpoint
+    from ampctl.train.checkpoint import FORMAT
 
+    if path.is_dir() and is_run_dir(path) and not _has_checkpoint(path):
+        return _history_only(path)
     ckpt = resolve(path)
-    ck = load_checkpoint(ckpt)
-    return read_loaded(ck, ckpt, given=path)
+    obj = load_torch(ckpt)
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        obj["path"] = str(ckpt)
+        return read_loaded(obj, ckpt, given=path)
+    # a step_*.pt that a loop of its own saved (e.g. beside ProtectedRun's records)
+    found = plain.from_object(obj, ckpt)
+    run_dir = _run_dir_of(path, ckpt)
+    found.run_dir = run_dir if run_dir is not None and run_dir.is_dir() else None
+    found.run_config = _run_config(found.run_dir)
+    found.siblings = [p for p in reversed(list_checkpoints(ckpt.parent)) if p != ckpt]
+    return found
+
+
+def _has_checkpoint(path: Path) -> bool:
+    return any(list_checkpoints(d) for d in (path / RunLayout.CHECKPOINTS, path))
+
+
+def _run_config(run_dir: Path | None) -> dict[str, Any] | None:
+    """The run folder's ``config.yaml`` as plain data (never resolved)."""
+    if run_dir is None or not RunLayout(run_dir).config.is_file():
+        return None
+    return read_config_text(RunLayout(run_dir).config)
+
+
+def _history_only(run_dir: Path) -> Found:
+    """A run folder without checkpoints (e.g. written by ampctl.integrations.ProtectedRun):
+    its records only; the precision from its config.yaml or summary.json."""
+    rec = RunRecord.read(run_dir)
+    cfg = rec.config or {}
+    prec = cfg.get("precision")
+    name = prec.get("name") if isinstance(prec, dict) else None
+    if not isinstance(name, str):
+        name = (rec.summary or {}).get("precision")
+    who = cfg.get("integration")
+    found = Found(
+        format=FORMAT_NAME,
+        path=run_dir,
+        precision=name if isinstance(name, str) else None,
+        precision_source=f"{RunLayout.CONFIG}" if isinstance(name, str) else None,
+        run_dir=run_dir,
+        run_config=rec.config,
+    )
+    found.notes.append(
+        f"no checkpoint in this run folder (looked for {RunLayout.CHECKPOINTS}/step_*.pt): "
+        "only what the run logged is diagnosed"
+        + (f" (written by ampctl's '{who}' integration)" if isinstance(who, str) else "")
+    )
+    lit = cfg.get("lightning")
+    ckpt_dir = lit.get("checkpoint_dir") if isinstance(lit, dict) else None
+    if isinstance(ckpt_dir, str) and ckpt_dir:
+        found.notes.append(
+            f"the Lightning checkpoints of this run are in {ckpt_dir}: `ampctl diagnose "
+            f"{ckpt_dir}` checks their state"
+        )
+    return found
 
 
 def read_loaded(ck: dict[str, Any], ckpt: Path, *, given: Path | None = None) -> Found:
-    """A loaded ampctl checkpoint dict as a :class:`Found`."""
-    missing = [k for k in ("model", "config") if k not in ck]
-    if missing or not isinstance(ck.get("model"), dict):
+    """A loaded ampctl checkpoint dict as a :class:`Found` (``config`` may be missing: a loop
+    of its own that saved the format, e.g. with ProtectedRun's state)."""
+    if not isinstance(ck.get("model"), dict):
+        missing = [k for k in ("model", "config") if k not in ck]
         raise ReaderError(
             f"{str(ckpt)!r} lacks {', '.join(missing) or 'a model state'}: not a complete "
             "ampctl checkpoint"
         )
-    prec = ck.get("precision") or {}
+    prec = ck.get("precision") if isinstance(ck.get("precision"), dict) else {}
+    if isinstance(ck.get("precision"), str):  # ProtectedRun.state_dict() keeps the name only
+        prec = {"name": ck["precision"]}
     config = ck.get("config") if isinstance(ck.get("config"), dict) else None
     weights = {k: v for k, v in ck["model"].items() if isinstance(v, torch.Tensor)}
     # the optimizer lists the trainable parameters in model order (tied ones once)
@@ -88,6 +152,8 @@ def read_loaded(ck: dict[str, Any], ckpt: Path, *, given: Path | None = None) ->
     )
     run_dir = _run_dir_of(given or ckpt, ckpt)
     found.run_dir = run_dir if run_dir is not None and run_dir.is_dir() else None
+    if config is None:
+        found.run_config = _run_config(found.run_dir)
     found.siblings = [p for p in reversed(list_checkpoints(ckpt.parent)) if p != ckpt]
     return found
 

@@ -127,6 +127,7 @@ class Found:
     model_dir: Path | None = None  # a Hugging Face folder with config.json (for the replay)
     history: ForeignHistory | None = None
     run_dir: Path | None = None  # an ampctl run folder
+    run_config: dict[str, Any] | None = None  # its config.yaml (data) when no config is saved
     files: list[FileNote] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     siblings: list[Path] = field(default_factory=list)  # other checkpoints, newest first
