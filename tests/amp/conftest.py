@@ -1,6 +1,8 @@
-"""Unit tests of the numeric core: tiny tensors, one thread, milliseconds each.
+"""Tests of the numeric core (ampctl/amp/), one thread: tiny tensors gain nothing from two.
 
-They are also what ``scripts/mutation.sh`` runs per mutant, so each must stay fast.
+The unit files (test_*_unit.py, test_guard_rules.py, test_overflow.py, precision/test_base.py,
+precision/test_fp16_pure.py) are also what ``scripts/mutation.sh`` runs per mutant (the list is
+in pyproject.toml), so each of their tests must stay fast.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LossScaler piece by piece: the update rule's every branch, every error message word for word,
 the counters, the history ring, the state dict, the GradScaler attributes -- on a 2-parameter
-model, milliseconds each (tests/test_scaler.py holds the parity and trajectory tests)."""
+model, milliseconds each (tests/amp/test_scaler.py holds the parity and trajectory tests)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from ampctl.train.dist import DistContext
 from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
 
 

@@ -1,7 +1,7 @@
 """Two steps of conf=bert_large (335M parameters, the seeds' tuning) on the CPU with a small
 batch and short sequences. Slow: minutes and ~14 GB of memory on a 2-core CPU.
 
-    pytest -m slow tests/test_bert_large.py
+    pytest -m slow tests/train/models/test_bert_large.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fidelity of the protected low-precision loop: the default task trained with the same seed
 and steps in fp32, fp16 (protected) and bf16. Slow (a few minutes on 2 CPU cores):
 
-    pytest -m slow -s tests/test_fidelity.py
+    pytest -m slow -s tests/train/test_fidelity.py
 
 The decoder presets (gpt2_tiny, llama_tiny) get the same check. Prints the figures quoted in
 README. The compared loss is the mean over the last 30 steps

@@ -60,7 +60,7 @@ def test_floor_policies_and_chain():
 def _load_example():
     """The model of examples/planted_overflow.py (the README walkthrough), so the test and the
     example cannot drift apart."""
-    path = Path(__file__).resolve().parent.parent / "examples" / "planted_overflow.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "planted_overflow.py"
     spec = importlib.util.spec_from_file_location("ampctl_example_planted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -68,12 +68,12 @@ def _load_example():
 
 
 # a BERT with an Amplifier (fine in fp32, inf in fp16 once its `boost` is raised) between the
-# embeddings and the encoder; reachable as model._target_=tests.test_guard.Planted
+# embeddings and the encoder; reachable as model._target_=tests.train.test_guard.Planted
 Planted = _load_example().PlantedBert
 
 
 def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
-    cfg = fast_cfg("model._target_=tests.test_guard.Planted", "trainer.max_steps=16")
+    cfg = fast_cfg("model._target_=tests.train.test_guard.Planted", "trainer.max_steps=16")
     fwd_dtypes = {}
 
     def fault(tr, step, phase):

@@ -19,7 +19,7 @@ from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cmd(runs, *extra):

@@ -124,7 +124,7 @@ def test_missing_torchao_raises_the_install_hint(monkeypatch):
 
 def test_importing_the_module_does_not_import_torchao():
     code = "import sys, ampctl.amp.fp8; sys.exit('torchao' in sys.modules)"
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     assert subprocess.run([sys.executable, "-c", code], cwd=repo, env=env).returncode == 0
 

@@ -24,7 +24,7 @@ from ampctl.ui.display import (
 )
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +50,7 @@ def metrics(step: int = 40, **over) -> dict:
         grad_norm=1.234,
         grad_amax=0.045,
         grad_underflow_frac=0.001,
+        act_grad_underflow_frac=0.023,
         nonfinite_grads=0,
         lr=1e-4,
         precision="fp16",
@@ -138,6 +139,7 @@ def test_plain_one_line_per_update():
         "gnorm=1.23",
         "amax=0.045",
         "underflow=0.1%",
+        "act_underflow=2.3%",
         "nonfinite=0",
         "lr=1.0e-04",
         "prec=fp16",
@@ -169,6 +171,7 @@ def test_plain_every_key_present_even_when_missing():
         "gnorm",
         "amax",
         "underflow",
+        "act_underflow",
         "nonfinite",
         "lr",
         "prec",
@@ -364,6 +367,9 @@ def test_live_renders_table_history_and_events():
     assert "16384 (2^14)" in final
     assert "restored checkpoint step 60" in final and "rollback" in final
     assert "loss diverged" in final
+    # both underflow figures, each under its own name
+    assert re.search(r"param underflow\s+0\.1%", final), final
+    assert re.search(r"act underflow\s+2\.3%", final), final
     # history keeps the last 8 logged rows: steps 30..100 (losses 3.97..3.90), not 10/20
     assert [row[0] for row in d.history] == list(range(30, 110, 10))
     assert "3.9700" in final and "3.9800" not in final and "3.9900" not in final

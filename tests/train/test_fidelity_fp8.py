@@ -1,7 +1,7 @@
 """Fidelity of precision=fp8 (torchao float8, protected): the default task trained with the same
 seed and steps in fp8, bf16 and fp32. Slow (several minutes on 2 CPU cores):
 
-    pytest -m slow -s tests/test_fidelity_fp8.py
+    pytest -m slow -s tests/train/test_fidelity_fp8.py
 
 The compared loss is the mean over the last 30 steps (three log rows), as in test_fidelity.py.
 Goal: fp8 within 3% of bf16 (e4m3 keeps 3 mantissa bits, e5m2 gradients 2).
