@@ -3,7 +3,8 @@ and steps in fp32, fp16 (protected) and bf16. Slow (a few minutes on 2 CPU cores
 
     pytest -m slow -s tests/train/test_fidelity.py
 
-The decoder presets (gpt2_tiny, llama_tiny) get the same check. Prints the figures quoted in
+The decoder presets (gpt2_tiny, llama_tiny) get the same check, and conf=underflow adds fp16
+without loss scaling (its activation gradients flush to zero; its loss ends above fp32's). Prints the figures quoted in
 README. The compared loss is the mean over the last 30 steps
 (three log rows), so one noisy batch does not decide it.
 """
@@ -66,3 +67,43 @@ def test_decoder_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path, preset)
     )
     assert gap16 <= 0.01
     assert gapb <= 0.02
+
+
+def _underflow_run(tmp_path, name: str, *overrides: str) -> tuple[float, dict, dict]:
+    cfg = load_config(["conf=underflow", f"trainer.runs_dir={tmp_path}", *overrides])
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, name))
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    tail = rows[-3:]
+    return sum(r["loss"] for r in tail) / len(tail), rows[-1], res.summary
+
+
+def test_underflow_preset_protection_matches_fp32_where_unscaled_fp16_flushes(tmp_path):
+    """conf=underflow (#18): without loss scaling the fp16 activation gradients flush to zero
+    (>= 20x the protected run's share) and the loss ends above fp32's; ampctl's protected fp16
+    ends within 1% of fp32, bf16 within 2% (mean of the last three log rows, 15 steps)."""
+    ref, _, s32 = _underflow_run(tmp_path, "fp32", "precision=fp32")
+    unscaled, u_row, su = _underflow_run(
+        tmp_path,
+        "fp16-unscaled",
+        "precision=fp16",
+        "scaler.init_scale=1",
+        "scaler.min_scale=1",
+        "scaler.max_scale=1",
+    )
+    f16, f_row, s16 = _underflow_run(tmp_path, "fp16", "precision=fp16")
+    b16, _, sb = _underflow_run(tmp_path, "bf16", "precision=bf16")
+    print(f"\nconf=underflow, {s32['steps']} steps, seed 0 (mean loss of the last 3 rows):")
+    for name, v, s, row in (
+        ("fp32", ref, s32, {}),
+        ("fp16 unscaled", unscaled, su, u_row),
+        ("fp16 ampctl", f16, s16, f_row),
+        ("bf16", b16, sb, {}),
+    ):
+        print(
+            f"  {name:14s} {v:.4f}  gap {(v - ref) / ref:+.2%}  skipped {s['skipped']}"
+            f"  act-grad zeros {row.get('act_grad_zero_frac')}  ({s['wall_time_s']:.0f} s)"
+        )
+    assert u_row["act_grad_zero_frac"] >= 20 * f_row["act_grad_zero_frac"]
+    assert (unscaled - ref) / ref >= 0.005
+    assert abs(f16 - ref) / ref <= 0.01
+    assert abs(b16 - ref) / ref <= 0.02
