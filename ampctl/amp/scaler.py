@@ -29,19 +29,8 @@ What it adds to GradScaler:
   (update, scale used, kind) history -- kind 0 clean, 1 gradient overflow, 2 forward overflow --
   all in ``state_dict()``.
 
-A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true, and the
-GradScaler internals that training code reaches into act on the live state: ``_scale`` (the
-scale as a 0-dim float32 device tensor; reading it does not sync, assigning it or changing it in
-place sets the scale), ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker``,
-``_growth_factor``, ``_backoff_factor``, ``_growth_interval``, ``_enabled``, ``_device``,
-``_per_optimizer_states`` (keyed by ``id(optimizer)``, with GradScaler's ``OptState`` stages),
-``_found_inf_per_device(optimizer)`` (the flags ``step`` reads: all-reducing them in place between
-``unscale_`` and ``step`` makes every rank skip alike), ``_check_inf_per_device``,
-``_unscale_grads_``, ``_lazy_init_scale_growth_tracker``, ``_get_scale_async``, pickling and
-``copy.deepcopy`` (as GradScaler: only between iterations, the state re-created lazily), the
-optimizer ``grad_scaler=`` protocol and the ``grad_scale`` / ``found_inf`` one. GradScaler's own
-``__init__`` is not called and every GradScaler method is overridden (a test checks this), so no
-GradScaler code runs on state of its own.
+A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true and the
+GradScaler internals training code reaches into act on the live state (:mod:`.scaler_compat`).
 
 Bit for bit: ``LossScaler.like_gradscaler(device, init_scale, growth_factor, backoff_factor,
 growth_interval, enabled)`` takes GradScaler's arguments and sets ``hysteresis=1,
@@ -76,7 +65,8 @@ from torch.amp.grad_scaler import OptState
 from .checks import FieldError, need
 from .checks import is_finite as _finite
 from .checks import is_int as _is_int
-from .overflow import check_and_unscale_
+from .scale_rule import _new_scale_tensor, _number, next_scale
+from .scaler_compat import CallOrderError, GradScalerPrivates
 
 __all__ = ["CallOrderError", "LossScaler", "OptState", "ScalerConfig", "next_scale"]
 
@@ -91,64 +81,6 @@ _SCALARS = (
     "last_skipped",
 )
 _DTYPES = {"scale": torch.float32, "growth_tracker": torch.int32, "hysteresis_tracker": torch.int32}
-
-
-class CallOrderError(RuntimeError, AssertionError):
-    """The scaler's methods were called out of order (the message says the fix).
-
-    GradScaler raises ``RuntimeError`` for some of these and ``AssertionError`` for others (a
-    call before ``scale()``, ``update()`` with nothing recorded); this is both, so code that
-    catches either keeps working.
-    """
-
-
-def next_scale(
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    hysteresis_tracker: torch.Tensor,
-    grad_overflow: torch.Tensor,
-    forward_overflow: torch.Tensor,
-    *,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float,
-    max_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scale update rule, as a pure function of 0-dim tensors (no host read).
-
-    Returns ``(scale, growth_tracker, hysteresis_tracker)`` for the next step.
-    With ``hysteresis=1`` and bounds that are not reached it is GradScaler's
-    ``_amp_update_scale_`` bit for bit (factors applied in float64, stored in float32), except
-    that it grows once the tracker *reaches* ``growth_interval`` where GradScaler needs equality.
-    """
-    grad_overflow = grad_overflow.bool()
-    forward_overflow = forward_overflow.bool()
-    clean = ~(grad_overflow | forward_overflow)
-
-    # 1) gradient overflow: use up one unit of hysteresis; back off once it is spent.
-    hyst_after = torch.where(
-        grad_overflow, (hysteresis_tracker - 1).clamp_min(0), hysteresis_tracker
-    )
-    backed_off = (scale.double() * backoff_factor).float()
-    scale_1 = torch.where(grad_overflow & (hyst_after <= 0), backed_off, scale)
-    # 2) forward overflow (non-finite loss): skipped, but the scale and both trackers stay.
-    # 3) clean step: count it; after growth_interval clean steps grow (if the result is finite)
-    #    and refill the hysteresis counter.
-    successful = growth_tracker + 1
-    grow = clean & (successful >= growth_interval)
-    grown = (scale.double() * growth_factor).float()
-    scale_2 = torch.where(grow & torch.isfinite(grown), grown, scale_1)
-    new_tracker = torch.where(
-        grad_overflow | grow,
-        torch.zeros_like(growth_tracker),
-        torch.where(clean, successful, growth_tracker),
-    )
-    new_hyst = torch.where(grow, torch.full_like(hysteresis_tracker, hysteresis), hyst_after)
-    # 4) bounds.
-    new_scale = scale_2.clamp(min=min_scale, max=max_scale)
-    return new_scale, new_tracker, new_hyst
 
 
 def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
@@ -176,7 +108,7 @@ class ScalerConfig:
             raise FieldError(type(self).__name__, e.field, e.value, e.allowed) from None
 
 
-class LossScaler(torch.amp.GradScaler):
+class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     """Dynamic loss scaler and ``torch.amp.GradScaler`` (see the module docstring).
 
     Args:
@@ -379,141 +311,6 @@ class LossScaler(torch.amp.GradScaler):
             self._t = {k: t.to(v.device) for k, t in self._t.items()}
         with torch.no_grad():
             self._t[key].copy_(v.reshape(()))
-
-    # ------------------------------------------------------------- GradScaler attributes
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        """GradScaler's scale tensor: the live 0-dim float32 scale on the device (None before
-        the first ``scale()``); assigning it or changing it in place sets the scale. Absent
-        when disabled, as in GradScaler (``hasattr(scaler, "_scale")`` is False). No host read."""
-        if not self._enabled:
-            raise AttributeError("'LossScaler' object has no attribute '_scale' (disabled)")
-        return None if self._t is None else self._t["scale"]
-
-    @_scale.setter
-    def _scale(self, value: Any) -> None:
-        self._assign("scale", value)
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        """GradScaler's growth tracker: the live int32 count of consecutive clean steps (None
-        before the first ``scale()``; absent when disabled). No host read."""
-        if not self._enabled:
-            raise AttributeError(
-                "'LossScaler' object has no attribute '_growth_tracker' (disabled)"
-            )
-        return None if self._t is None else self._t["growth_tracker"]
-
-    @_growth_tracker.setter
-    def _growth_tracker(self, value: Any) -> None:
-        self._assign("growth_tracker", value)
-
-    @property
-    def _init_scale(self) -> float:
-        """The scale the device state starts from (GradScaler's meaning: set by the
-        constructor, ``load_state_dict`` and unpickling). Absent when disabled."""
-        if not self._enabled:
-            raise AttributeError("'LossScaler' object has no attribute '_init_scale' (disabled)")
-        return self._init["scale"]
-
-    @_init_scale.setter
-    def _init_scale(self, value: float) -> None:
-        self._init["scale"] = float(value)
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        """The growth tracker the device state starts from. Absent when disabled."""
-        if not self._enabled:
-            raise AttributeError(
-                "'LossScaler' object has no attribute '_init_growth_tracker' (disabled)"
-            )
-        return self._init["growth_tracker"]
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        self._init["growth_tracker"] = int(value)
-
-    @property
-    def _device(self) -> str:
-        """GradScaler's device type string: the state's once it exists, else the ``device``
-        argument, else ``"cuda"`` when available, else ``"cpu"``."""
-        if self._t is not None:
-            return self._t["scale"].device.type
-        if self._device_type is not None:
-            return self._device_type
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    @_device.setter
-    def _device(self, value: str | torch.device) -> None:
-        self._device_type = torch.device(value).type
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        """Create the device state on ``dev`` now, from ``_init_scale`` / the loaded state
-        (Accelerate's FSDP2 load path calls this after ``load_state_dict``). Already created on
-        that device: nothing to do (GradScaler would raise). No host read."""
-        dev = torch.device(dev)
-        if self._t is not None:
-            cur = self._t["scale"].device
-            if cur.type == dev.type and dev.index in (None, cur.index):
-                return
-            raise CallOrderError(
-                f"LossScaler: the state already lives on {cur}, not {dev}; assign "
-                f"scaler._scale = scaler._scale.to({str(dev)!r}) to move it"
-            )
-        self._lazy_init(dev)
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, growth_tracker)`` device tensors; raises before the first ``scale()``."""
-        t = self._require_init(funcname)
-        return t["scale"], t["growth_tracker"]
-
-    def _require_init(self, fn: str) -> dict[str, torch.Tensor]:
-        if self._t is None:
-            raise CallOrderError(
-                f"LossScaler.{fn}() was called before scale(): call scaler.scale(loss).backward() "
-                f"first in each iteration, then unscale_/step/update."
-            )
-        return self._t
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor without a host read (GradScaler's name for ``_scale``)."""
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        """The growth tracker as an int (0 when disabled). **Syncs.**"""
-        if not self._enabled:
-            return 0
-        if self._t is None:
-            return int(self._init["growth_tracker"])
-        return int(self._t["growth_tracker"].item())
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
-        """``{device: float32 0-dim flag}`` recorded for ``optimizer`` by ``unscale_`` / ``step``
-        this iteration: 1.0 where a gradient was inf/NaN. ``step`` reads these very tensors, so
-        reducing them in place (``dist.all_reduce(v, MAX)``) before ``step`` decides for all
-        ranks. No host read."""
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
-        """Check ``optimizer``'s gradients for inf/NaN without unscaling them; record and return
-        the per-device flags (the stage stays as it is). No host read."""
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        one = torch.ones((), dtype=torch.float32, device=scale.device)
-        found = torch.zeros((), dtype=torch.float32, device=scale.device)
-        st = self._per_optimizer_states[id(optimizer)]
-        st["found_inf_per_device"] = self._unscale_grads_(optimizer, one, found, True)
-        return st["found_inf_per_device"]
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        """Multiply ``optimizer``'s gradients by ``inv_scale`` and flag inf/NaN, fused per
-        (device, dtype); returns ``{device: flag}``. No host read."""
-        return check_and_unscale_(self._grads(optimizer, allow_fp16), inv_scale, found_inf)
 
     # ------------------------------------------------------------------ GradScaler API
     def scale(self, outputs):
@@ -1076,30 +873,8 @@ class LossScaler(torch.amp.GradScaler):
         self.__dict__.update(state)
 
 
-def _new_scale_tensor(new_scale: Any) -> torch.Tensor:
-    """``update(new_scale=...)``'s value as a detached float32 0-dim tensor (copied)."""
-    if isinstance(new_scale, torch.Tensor):
-        if new_scale.numel() != 1 or new_scale.requires_grad:
-            raise ValueError(
-                "LossScaler.update: new_scale must be a number or a one-element tensor that does "
-                f"not require grad (got shape {tuple(new_scale.shape)}, "
-                f"requires_grad={new_scale.requires_grad})"
-            )
-        return new_scale.detach().to(torch.float32).reshape(())
-    if not _number(new_scale):
-        raise ValueError(
-            f"LossScaler.update: new_scale={new_scale!r} is not allowed: give a number or a "
-            f"one-element tensor"
-        )
-    return torch.tensor(float(new_scale), dtype=torch.float32)
-
-
 def _fresh_opt_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def _finite_pos(x: Any) -> bool:

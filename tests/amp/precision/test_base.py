@@ -254,7 +254,7 @@ def test_make_precision_builds_the_plugin_with_its_scaler(name, cls):
 def test_make_precision_refuses_an_unknown_name():
     with pytest.raises(ValueError) as e:
         make_precision("fp12")
-    assert str(e.value) == "precision: 'fp12' is not one of fp32, bf16, fp16, fp16-pure"
+    assert str(e.value) == "precision: 'fp12' is not one of fp32, bf16, fp16, fp16-pure, fp8"
 
 
 def test_precision_policy_is_make_precision():
@@ -270,5 +270,5 @@ def test_precision_config_names_the_allowed_precisions():
         PrecisionConfig(name="fp12")
     assert str(e.value) == (
         "PrecisionConfig: name='fp12' is not allowed: name must be one of fp32, bf16, fp16, "
-        "fp16-pure (select with precision=NAME)"
+        "fp16-pure, fp8 (select with precision=NAME)"
     )
