@@ -41,15 +41,16 @@ ROW_KEYS = ("act_grad_underflow_frac", "act_grad_zero_frac")
 
 
 class ActGradCounter:
-    """Device-side counts of fp16 activation-gradient elements (zero, below normal, all) over
-    the backward passes run while :meth:`hooks` is open."""
+    """Device-side counts of activation-gradient elements (zero, below fp16's normal range, all)
+    over the backward passes run while :meth:`hooks` is open. ``dtypes``: the tensors counted
+    (fp16 by default; ``diagnose`` also counts an fp32 pass's zeros, the ones no scale cures)."""
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device) if device is not None else None
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> None:
+        self.dtypes = dtypes
         self.counts: torch.Tensor | None = None  # int64 [zero, below_normal, total]
 
     def _add(self, grad: torch.Tensor) -> None:
-        if grad is None or grad.dtype != torch.float16 or grad.numel() == 0:
+        if grad is None or grad.dtype not in self.dtypes or grad.numel() == 0:
             return
         a = grad.detach().abs()
         c = torch.stack(
@@ -68,7 +69,7 @@ class ActGradCounter:
         def on_forward(_mod: nn.Module, _inp: Any, out: Any) -> None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for t in outs:
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.requires_grad:
+                if isinstance(t, torch.Tensor) and t.dtype in self.dtypes and t.requires_grad:
                     t.register_hook(self._add)
 
         handles = [

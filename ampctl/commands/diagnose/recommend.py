@@ -14,8 +14,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampctl.amp.scaler import ScalerConfig
+
 from .common import plain
 from .fp8 import fp8_findings
+
+DEFAULT_MAX_SCALE = ScalerConfig.max_scale  # LossScaler's default ceiling (2^24)
 
 __all__ = ["recommend", "yours", "resume_command", "resume_overrides", "Settings"]
 
@@ -180,11 +184,19 @@ def recommend(
             if "gradient_underflow" in kinds
             else "gradients overflow at the current scale"
         )
+        rec = g.get("recommended_init_scale_unbounded", g["recommended_init_scale"])
+        if "gradient_underflow" not in kinds or rec <= g.get("max_scale", math.inf):
+            rec = g["recommended_init_scale"]
         add(
-            f"scaler.init_scale={plain(g['recommended_init_scale'])}",
+            f"scaler.init_scale={plain(rec)}",
             f"{why}: S* = 65504 / max|g| = 65504 / {g['max_abs']:.4g} = {g['ideal_scale']:.4g}, "
             "rounded down to a power of two and halved",
         )
+        if rec > g.get("max_scale", math.inf):
+            add(
+                f"scaler.max_scale={plain(max(rec, DEFAULT_MAX_SCALE))}",
+                f"the run's max_scale {g['max_scale']:g} holds the scale below S*",
+            )
     if "overflow_after_growth" in kinds and settings.growth_interval:
         add(
             f"scaler.growth_interval={settings.growth_interval * 4}",

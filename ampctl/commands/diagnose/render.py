@@ -365,9 +365,15 @@ def _gradients(g: dict[str, Any] | None, console: Any) -> None:
     head = "-" if hr is None or math.isinf(hr) else f"2^{hr:.1f}"
     t.add_row("largest scaled gradient", f"{fmt(g['max_scaled'])}: headroom {head} below 65504")
     t.add_row(
-        "underflow (|g| x scale < 2^-24)",
+        "param grads underflow (|g| x scale < 2^-24)",
         f"{g['underflow_frac']:.2%} of elements incl. zeros ({g['zero_frac']:.2%} are zero in fp32)",
     )
+    act = g.get("act_grad_underflow_frac")
+    if act is not None:
+        t.add_row(
+            "fp16 activation gradients",
+            f"{act:.2%} below fp16's normal range, {g['act_grad_zero_frac']:.2%} flushed to zero",
+        )
     t.add_row(
         "non-zero elements lost",
         f"{g['lost_frac']:.2%} now, {g['lost_frac_at_recommended']:.2%} at {g['recommended_init_scale']:g}",

@@ -20,7 +20,9 @@ Other formats store weights without the model's class: their replay is skipped w
 Gradient figures: an element underflows when ``|g| * scale < 2**-24``; ``S* = 65504 / max|g|``
 and the recommended ``init_scale`` is :func:`ampctl.amp.formats.recommended_init_scale`.
 ``max|g|`` covers the parameter gradients and the gradients flowing between modules that run in
-fp16. **Syncs** once per batch and pass.
+fp16. The fp16 pass also counts its activation gradients below fp16's normal range and at zero
+(:mod:`ampctl.amp.actgrad`), the underflow loss scaling exists to prevent. **Syncs** once per
+batch and pass.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from ampctl.amp import PrecisionPolicy, nonfinite_tensor_names
+from ampctl.amp.actgrad import ActGradCounter
 from ampctl.amp.formats import (
     FP16_MAX,
     FP16_SUBNORMAL,
@@ -178,9 +181,12 @@ def _reference_pass(inp: ReplayInput) -> dict[str, Any]:
     """fp32: true gradients, and whether the forward is finite without low precision."""
     model, losses, bad, bwds, figs = inp.model, [], [], [], []
     params = [p for _, p in _params(model)]
+    # zeros among the fp32 activation gradients: structural (e.g. unlabelled masked-LM positions),
+    # the baseline the fp16 pass's underflow is measured against
+    zeros = ActGradCounter(dtypes=(torch.float32,))
     for i, b in enumerate(inp.batches):
         model.zero_grad(set_to_none=True)
-        with _seeded(inp.seed + inp.positions[i], inp.device):
+        with _seeded(inp.seed + inp.positions[i], inp.device), zeros.hooks(model):
             fwd, bwd = trace_modules(
                 model,
                 lambda b=b: _loss(model, b, contextlib.nullcontext, losses, inp.accum),
@@ -192,7 +198,7 @@ def _reference_pass(inp: ReplayInput) -> dict[str, Any]:
             _grad_figures([p.grad for p in params if p.grad is not None], inp.scale, inp.device)
         )
     model.zero_grad(set_to_none=True)
-    return {"losses": losses, "module_bad": bad, "bwd": bwds, "figs": figs}
+    return {"losses": losses, "module_bad": bad, "bwd": bwds, "figs": figs, "act_zeros": zeros}
 
 
 def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
@@ -271,12 +277,16 @@ def _precision_batch(
     """Batch ``i`` of the precision pass, its figures added to ``st`` (on the device)."""
     model, scale = inp.model, inp.scale
     model.zero_grad(set_to_none=True)
-    with _seeded(inp.seed + inp.positions[i], inp.device):
+    counter = ActGradCounter()
+    with _seeded(inp.seed + inp.positions[i], inp.device), counter.hooks(model):
         fwd, bwd = trace_modules(
             model,
             lambda b=b: _loss(model, b, policy.autocast, st["losses"], inp.accum) * scale,
             backward=True,
         )
+    if counter.counts is not None:  # fp16 activation gradients (zero, below normal, all)
+        prev = st.get("act_counts")
+        st["act_counts"] = counter.counts if prev is None else prev + counter.counts
     for t in fwd:
         m = st["modules"].setdefault(
             t.name, {"name": t.name, "dtype": t.dtype, "amax": 0.0, "bad": False}
@@ -306,7 +316,8 @@ def _precision_batch(
 def _gradients(
     inp: ReplayInput, ref: dict[str, Any], low: dict[str, Any], ref_vals: list, low_vals: list
 ) -> dict[str, Any]:
-    """Gradient figures over all replayed batches (the fp32 reference: true gradients)."""
+    """Gradient figures over all replayed batches (the fp32 reference: true gradients), and
+    the fp16 pass's activation-gradient underflow. **Syncs** (the activation counts)."""
     elems = sum(v[0] for v in ref_vals)
     zeros = sum(v[1] for v in ref_vals)
     bad = sum(v[2] for v in ref_vals)
@@ -326,6 +337,17 @@ def _gradients(
     max_abs = max(max_param, max_act)
     ideal = ideal_scale(max_abs)
     rec = recommended_init_scale(max_abs, min_scale=inp.min_scale, max_scale=inp.max_scale)
+    # the same without the run's bounds: a run pinned low (max_scale=1) needs them raised
+    rec_free = recommended_init_scale(max_abs, min_scale=0.0, max_scale=math.inf)
+    act = ActGradCounter().fractions(
+        low["act_counts"].tolist() if low.get("act_counts") is not None else None
+    )
+    z = ref["act_zeros"].counts
+    act["act_grad_zero_frac_fp32"] = (
+        z[0].item() / z[2].item()
+        if act["act_grad_underflow_frac"] is not None and z is not None
+        else None
+    )
     max_scaled = max_abs * inp.scale
     lost = (under - zeros) / nonzero if nonzero > 0 else 0.0
     return {
@@ -345,6 +367,9 @@ def _gradients(
         "lost_frac_at_recommended": _lost_at(hist, nonzero, rec),
         "ideal_scale": ideal,
         "recommended_init_scale": rec,
+        "recommended_init_scale_unbounded": rec_free,
+        "max_scale": inp.max_scale,
+        **act,
         "nonfinite_params": low["nonfinite_params"],
     }
 

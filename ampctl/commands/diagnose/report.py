@@ -59,6 +59,11 @@ value a format does not record is ``null`` ("unknown"), never 0::
                       "max_scaled", "headroom_log2", "underflow_frac", "zero_frac",
                       "zero_frac_replay", "lost_frac", "lost_frac_at_recommended",
                       "ideal_scale", "recommended_init_scale", "max_scaled_replay",
+                      "recommended_init_scale_unbounded",   # the same without the run's bounds
+                      "max_scale",                          # the run's
+                      "act_grad_underflow_frac", "act_grad_zero_frac",  # fp16 activation
+                      # gradients of the replay: below fp16's normal range / zero (or null)
+                      "act_grad_zero_frac_fp32",  # zero in the fp32 pass (structural)
                       "nonfinite_params": [name]} | null,   # fp16 / fp16-pure only
         "exempted": [module], "elapsed_s"
       },
@@ -109,7 +114,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .common import SCHEMA, STATE_KINDS, UNDERFLOW_LIMIT, jsonable, problem
+from .common import (
+    ACT_UNDERFLOW_LIMIT,
+    SCHEMA,
+    STATE_KINDS,
+    UNDERFLOW_LIMIT,
+    jsonable,
+    problem,
+)
 from .readers.base import Found
 
 __all__ = ["SCHEMA", "build_report", "replay_problems", "state_kinds_of"]
@@ -217,7 +229,26 @@ def _gradient_problems(r: dict[str, Any]) -> list[dict[str, Any]]:
                 module=bb["module"] if bb else None,
             )
         )
-    if (
+    act = g.get("act_grad_underflow_frac")
+    rec_free = g.get("recommended_init_scale_unbounded", g["recommended_init_scale"])
+    lost = None if act is None else act - (g.get("act_grad_zero_frac_fp32") or 0.0)
+    if lost is not None and lost > ACT_UNDERFLOW_LIMIT and rec_free > g["scale"]:
+        sub = act - g["act_grad_zero_frac"]
+        bound = (
+            f"; the run's max_scale {g['max_scale']:g} keeps it there"
+            if g["max_scale"] < rec_free
+            else ""
+        )
+        problems.append(
+            problem(
+                "gradient_underflow",
+                f"at scale {g['scale']:g}, {act:.1%} of the fp16 activation-gradient elements "
+                f"fall below fp16's normal range (2^-14): {sub:.1%} are subnormal (a few bits "
+                f"left) and {g['act_grad_zero_frac']:.1%} zero in the backward pass; "
+                f"S* = {g['ideal_scale']:.4g} would lift them{bound}",
+            )
+        )
+    elif (
         g["lost_frac"] - g["lost_frac_at_recommended"] > UNDERFLOW_LIMIT
         and g["recommended_init_scale"] > g["scale"]
     ):

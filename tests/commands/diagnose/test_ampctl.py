@@ -316,6 +316,35 @@ def test_too_small_scale_shows_underflow_and_recommends_init_scale(run_copy):
     assert fixed["replay"]["gradients"]["lost_frac"] == pytest.approx(g["lost_frac_at_recommended"])
 
 
+def test_a_run_pinned_at_scale_1_is_told_its_activation_gradients_flush_and_how_to_lift_them(
+    run_copy,
+):
+    """An unscaled fp16 run (scale pinned by min_scale = max_scale = 1): the replay counts the
+    fp16 activation gradients below fp16's normal range, and the recommendation raises the
+    ceiling too, since init_scale alone would be clamped back to 1."""
+
+    def edit(ck):
+        ck["config"]["model"]["loss_factor"] = 1e-3
+        ck["config"]["scaler"].update(min_scale=1.0, max_scale=1.0)
+        ck["scaler"].update(scale=1.0, min_scale=1.0, max_scale=1.0)
+
+    plant(run_copy, edit)
+    rep = diagnose(run_copy, batches=1)
+    assert kinds(rep) == ["gradient_underflow"]
+    g = rep["replay"]["gradients"]
+    assert g["act_grad_underflow_frac"] > 0.5 and g["act_grad_zero_frac"] > 0.0
+    assert g["recommended_init_scale"] == 1.0  # within the run's bounds: no help
+    rec = g["recommended_init_scale_unbounded"]
+    assert rec == recommended_init_scale(g["max_abs"], min_scale=0.0, max_scale=math.inf) > 1
+    (p,) = rep["problems"]
+    assert "fp16 activation-gradient elements fall below fp16's normal range" in p["message"]
+    assert "the run's max_scale 1 keeps it there" in p["message"]
+    assert [r["override"] for r in rep["recommendations"]] == [
+        f"scaler.init_scale={int(rec)}",
+        f"scaler.max_scale={int(max(rec, 2**24))}",
+    ]
+
+
 def test_scale_far_above_the_ideal_warns_of_backward_overflow(run_copy):
     def edit(ck):
         ck["scaler"]["scale"] = 2.0**24
