@@ -1,4 +1,4 @@
-"""Your own fp16 loop under ampctl's guard: the README's "Your own training loop" section.
+"""Your own fp16 loop under ampctl's guard: the README's "Integrations" section (Your own loop).
 
     python examples/own_loop.py [RUN_DIR]
 
