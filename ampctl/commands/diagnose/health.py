@@ -121,6 +121,12 @@ def _state_shape(st: Any) -> tuple[int, ...] | None:
     return None
 
 
+def _same_shape(state: tuple[int, ...] | None, param: tuple[int, ...]) -> bool:
+    """Whether an optimizer entry's shape fits a parameter's, index by index. A 2-D weight may be
+    saved transposed (GPT-2's Conv1D layout in its state dict, nn.Linear in memory)."""
+    return state is None or state == param or (len(param) == 2 and state == param[::-1])
+
+
 def name_optimizer_state(
     opt_sd: dict[str, Any],
     orders: list[tuple[str, list[tuple[str, tuple[int, ...]]]]],
@@ -143,7 +149,7 @@ def name_optimizer_state(
     for label, order in orders:
         if len(order) != len(ids):
             continue
-        if all(s is None or s == tuple(o[1]) for s, o in zip(shapes, order, strict=True)):
+        if all(_same_shape(s, tuple(o[1])) for s, o in zip(shapes, order, strict=True)):
             return {pid: order[i][0] for i, pid in enumerate(ids)}, f"by {label}", None
     candidates = max(orders, key=lambda o: len(o[1]))[1] if orders else list(unordered or [])
     if not candidates:

@@ -378,9 +378,12 @@ def _gradients(g: dict[str, Any] | None, console: Any) -> None:
         "non-zero elements lost",
         f"{g['lost_frac']:.2%} now, {g['lost_frac_at_recommended']:.2%} at {g['recommended_init_scale']:g}",
     )
+    rec = g["recommended_init_scale"]
+    free = g.get("recommended_init_scale_unbounded", rec)
+    bounds = f" (the run's bounds allow {pow2(rec)})" if free != rec else ""
     t.add_row(
         "ideal scale S* = 65504 / max|g|",
-        f"{fmt(g['ideal_scale'])} -> init_scale {pow2(g['recommended_init_scale'])}",
+        f"{fmt(g['ideal_scale'])} -> init_scale {pow2(free)}{bounds}",
     )
     if g["nonfinite_params"]:
         t.add_row("non-finite grads", ", ".join(g["nonfinite_params"][:5]))

@@ -31,6 +31,7 @@ __all__ = [
     "IGNORE_INDEX",
     "CausalLMOutput",
     "causal_lm_loss",
+    "causal_lm_forward",
     "causal_attention",
     "check_inputs",
     "require_int",
@@ -158,3 +159,29 @@ def causal_attention(
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     return probs @ v
+
+
+def causal_lm_forward(
+    model: Any,
+    backbone: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    labels: Tensor | None = None,
+) -> CausalLMOutput:
+    """The causal LMs' forward (GPT-2, Llama): ``model.lm_head(backbone(input_ids, key_mask))``.
+
+    Args:
+        input_ids: long [B, T], ``T <= model.max_position``.
+        attention_mask: [B, T], True (1) for real tokens, False (0) for padding; padding
+            keys are not attended to. ``None``: no padding.
+        labels: long [B, T]: the input ids, with -100 where no loss is wanted; shifted
+            inside (position t predicts labels[t + 1]), as in Hugging Face.
+
+    Returns:
+        :class:`CausalLMOutput`: ``logits`` [B, T, vocab_size] in the compute dtype, ``loss``
+        the mean fp32 cross entropy (``None`` without labels).
+    """
+    key_mask = check_inputs(input_ids, attention_mask, labels, model.max_position)
+    logits = model.lm_head(backbone(input_ids, key_mask))
+    loss = None if labels is None else causal_lm_loss(logits, labels)
+    return CausalLMOutput(loss=loss, logits=logits)

@@ -38,8 +38,7 @@ from .causal import (
     ATTN_IMPLS,
     CausalLMOutput,
     causal_attention,
-    causal_lm_loss,
-    check_inputs,
+    causal_lm_forward,
     require_float,
     require_int,
 )
@@ -305,20 +304,5 @@ class LlamaForCausalLM(nn.Module):
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
     ) -> CausalLMOutput:
-        """Next-token logits and, with ``labels``, the loss.
-
-        Args:
-            input_ids: long [B, T], ``T <= max_position``.
-            attention_mask: [B, T], True (1) for real tokens, False (0) for padding; padding
-                keys are not attended to. ``None``: no padding.
-            labels: long [B, T]: the input ids, with -100 where no loss is wanted; shifted
-                inside (position t predicts labels[t + 1]), as in Hugging Face.
-
-        Returns:
-            :class:`~ampctl.train.models.causal.CausalLMOutput`: ``logits`` [B, T, vocab_size] in the
-            compute dtype, ``loss`` the mean fp32 cross entropy (``None`` without labels).
-        """
-        key_mask = check_inputs(input_ids, attention_mask, labels, self.max_position)
-        logits = self.lm_head(self.model(input_ids, key_mask))
-        loss = None if labels is None else causal_lm_loss(logits, labels)
-        return CausalLMOutput(loss=loss, logits=logits)
+        """Next-token logits and, with ``labels``, the loss: see :func:`causal_lm_forward`."""
+        return causal_lm_forward(self, self.model, input_ids, attention_mask, labels)

@@ -633,3 +633,29 @@ def test_branch_of_a_resumed_run_is_reported(run_copy):
     assert [r["step"] for r in rep["history"]["before_break"]] == [2, 4, 6]
     res = runner.invoke(app, ["diagnose", str(run_copy), "-b", "1", "--device", "cpu"])
     assert "branch: main line; resumed from step 3" in res.stdout
+
+
+def test_gpt2_optimizer_state_is_named_through_its_conv1d_layout(tmp_path):
+    """GPT-2 checkpoints keep Conv1D's transposed weights in the state dict while the optimizer
+    holds nn.Linear-shaped moments: the model order still names every entry."""
+    cfg = load_config(
+        [
+            "conf=gpt2_tiny",
+            *FAST,
+            f"trainer.runs_dir={tmp_path}",
+            "trainer.max_steps=3",
+            "trainer.ckpt_every=3",
+        ]
+    )
+    run = train(cfg, new_run_dir(cfg.trainer.runs_dir, "gpt2")).run_dir
+    ckpt = latest_checkpoint(run / "checkpoints")
+    ck = torch.load(ckpt, weights_only=True)
+    names = [n for n in ck["model"] if n != "lm_head.weight"]  # tied to the embeddings
+    i = names.index("transformer.h.0.attn.c_attn.weight")
+    assert ck["model"][names[i]].shape != ck["optimizer"]["state"][i]["exp_avg"].shape
+    ck["optimizer"]["state"][i]["exp_avg_sq"].view(-1)[0] = math.inf
+    torch.save(ck, ckpt)
+    rep = diagnose(ckpt, batches=1)
+    assert kinds(rep)[0] == "nonfinite_optimizer_state"
+    assert "exp_avg_sq of transformer.h.0.attn.c_attn.weight" in rep["problems"][0]["message"]
+    assert rep["state"].get("optimizer_note") is None, rep["state"].get("optimizer_note")
