@@ -47,20 +47,30 @@ class ActGradCounter:
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> None:
         self.dtypes = dtypes
-        self.counts: torch.Tensor | None = None  # int64 [zero, below_normal, total]
+        self._zero: torch.Tensor | None = None  # device int64 scalars
+        self._below: torch.Tensor | None = None
+        self._total = 0  # element counts are known on the host: no device op
+
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """int64 ``[zero, below_normal, total]`` on the device (None before any gradient).
+        No host read."""
+        if self._zero is None or self._below is None:
+            return None
+        total = torch.tensor(self._total, dtype=torch.int64, device=self._zero.device)
+        return torch.stack([self._zero, self._below, total])
 
     def _add(self, grad: torch.Tensor) -> None:
         if grad is None or grad.dtype not in self.dtypes or grad.numel() == 0:
             return
         a = grad.detach().abs()
-        c = torch.stack(
-            [
-                (a == 0).sum(),
-                (a < FP16_TINY).sum(),
-                torch.tensor(a.numel(), device=a.device, dtype=torch.int64),
-            ]
-        )
-        self.counts = c if self.counts is None else self.counts + c.to(self.counts.device)
+        zero, below = (a == 0).sum(), (a < FP16_TINY).sum()
+        if self._zero is None or self._below is None:
+            self._zero, self._below = zero, below
+        else:
+            self._zero = self._zero + zero.to(self._zero.device)
+            self._below = self._below + below.to(self._below.device)
+        self._total += a.numel()
 
     @contextlib.contextmanager
     def hooks(self, model: nn.Module) -> Iterator[ActGradCounter]:

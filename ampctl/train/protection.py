@@ -641,7 +641,7 @@ class Protection:
         self.snapshot = _Snapshot(
             step=step,
             model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            optimizer=_clone_state(self.optimizer.state_dict()),
             scale=self.scaler.get_scale_tensor().clone()
             if self.scaler.get_scale_tensor() is not None
             else torch.tensor(self.scaler.get_scale()),
@@ -668,7 +668,7 @@ class Protection:
             with torch.no_grad():
                 for m, v in zip(self.precision.master.params, snap.master, strict=True):
                     m.copy_(v)
-        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        self.optimizer.load_state_dict(_clone_state(snap.optimizer))
         if snap.progress is not None and self.progress is not None:
             self.progress.load_state_dict(snap.progress)
 
@@ -712,3 +712,18 @@ class Protection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
+
+
+def _clone_state(obj: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors are cloned on their device: what
+    ``copy.deepcopy`` gives, without its per-object bookkeeping (a snapshot of the optimizer
+    state is taken every ``guard.snapshot_every`` steps). No host read."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_state(v) for v in obj)
+    return copy.deepcopy(obj)

@@ -342,8 +342,13 @@ class Trainer:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """The parameters the optimizer steps (fp32 masters in fp16-pure)."""
-        return self.precision.optimizer_params(self.model)
+        """The parameters the optimizer steps (fp32 masters in fp16-pure); listed again only
+        when the precision or the optimizer changes (a fallback), not on every step."""
+        key = (id(self.precision), id(self.optimizer))
+        if getattr(self, "_params_key", None) != key:
+            self._params_list = self.precision.optimizer_params(self.model)
+            self._params_key = key
+        return self._params_list
 
     def active_probes(self) -> list[Probe]:
         """The loop's probes and the precision's (a fallback replaces the precision's)."""

@@ -69,6 +69,23 @@ def test_decoder_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path, preset)
     assert gapb <= 0.02
 
 
+def test_decoder_fp8_within_3pct_of_bf16(tmp_path):
+    """gpt2_tiny in fp8 (torchao float8 for the block Linears; embeddings, LM head and norms
+    excluded by default) against bf16 and fp32, same seed and steps."""
+    pytest.importorskip("torchao.float8")
+    ref, s32 = _final_preset(tmp_path, "gpt2_tiny", "fp32")
+    b16, sb = _final_preset(tmp_path, "gpt2_tiny", "bf16")
+    f8, s8 = _final_preset(tmp_path, "gpt2_tiny", "fp8")
+    print(
+        f"\nfp8 fidelity (gpt2_tiny, {s32['steps']} steps, seed 0, mean loss of the last 30 steps):"
+        f"\n  fp32 {ref:.4f}  ({s32['wall_time_s']:.0f} s)"
+        f"\n  bf16 {b16:.4f}  gap {abs(b16 - ref) / ref:.2%}  ({sb['wall_time_s']:.0f} s)"
+        f"\n  fp8  {f8:.4f}  gap to bf16 {abs(f8 - b16) / b16:.2%}, to fp32 {abs(f8 - ref) / ref:.2%}"
+        f"  skipped {s8['skipped']}  ({s8['wall_time_s']:.0f} s)"
+    )
+    assert abs(f8 - b16) / b16 <= 0.03
+
+
 def _underflow_run(tmp_path, name: str, *overrides: str) -> tuple[float, dict, dict]:
     cfg = load_config(["conf=underflow", f"trainer.runs_dir={tmp_path}", *overrides])
     res = train(cfg, new_run_dir(cfg.trainer.runs_dir, name))
