@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The "why protection matters" table (README): conf=underflow in five precisions, two runs at a
 # time, then one plot with the other four overlaid on the protected run, and the table.
-# Usage: scripts/why_protection.sh [RUNS_DIR] [extra overrides...]   (about 7 min on 2 cores)
+# Usage: scripts/why_protection.sh [RUNS_DIR] [extra overrides...]   (about 10 min on 2 cores)
 set -euo pipefail
 out=${1:-runs/why}; shift || true
 mkdir -p "$out"

@@ -344,10 +344,10 @@ class Trainer:
     def params(self) -> list[nn.Parameter]:
         """The parameters the optimizer steps (fp32 masters in fp16-pure); listed again only
         when the precision or the optimizer changes (a fallback), not on every step."""
-        key = (id(self.precision), id(self.optimizer))
-        if getattr(self, "_params_key", None) != key:
+        owner = getattr(self, "_params_owner", (None, None))
+        if owner[0] is not self.precision or owner[1] is not self.optimizer:
             self._params_list = self.precision.optimizer_params(self.model)
-            self._params_key = key
+            self._params_owner = (self.precision, self.optimizer)
         return self._params_list
 
     def active_probes(self) -> list[Probe]:
