@@ -127,7 +127,9 @@ class ActGradProbe:
         c = self._counter
         if c is None:
             return
-        counts = c.counts if c.counts is not None else torch.zeros(3, dtype=torch.int64)
+        counts = c.counts
+        if counts is None:  # no fp16 activation on this rank: zeros keep the ranks' reads alike
+            counts = torch.zeros(3, dtype=torch.int64)
         fig.add("act_grad_counts", counts.double(), "sum", vector=True)
 
     def row(self, values: dict[str, Any]) -> dict[str, Any]:
