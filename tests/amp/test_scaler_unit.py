@@ -105,8 +105,14 @@ def _message(exc_type, fn, *args, **kwargs) -> str:
             {"init_scale": True},
             "init_scale=True is not allowed: init_scale must be a finite number > 0",
         ),
-        ({"growth_factor": 1.0}, "growth_factor=1.0 is not allowed: growth_factor must be a number > 1"),
-        ({"growth_factor": INF}, "growth_factor=inf is not allowed: growth_factor must be a number > 1"),
+        (
+            {"growth_factor": 1.0},
+            "growth_factor=1.0 is not allowed: growth_factor must be a number > 1",
+        ),
+        (
+            {"growth_factor": INF},
+            "growth_factor=inf is not allowed: growth_factor must be a number > 1",
+        ),
         (
             {"backoff_factor": 0},
             "backoff_factor=0 is not allowed: backoff_factor must be in (0, 1)",

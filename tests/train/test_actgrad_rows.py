@@ -40,7 +40,9 @@ def test_fp16_rows_carry_both_underflow_figures_and_the_scale_lowers_the_activat
     assert u["act_grad_zero_frac"] > s["act_grad_zero_frac"] + 0.05  # and fewer flush to zero
 
 
-@pytest.mark.parametrize("extra", [("precision=fp32",), ("precision=fp16", "logging.act_grads=false")])
+@pytest.mark.parametrize(
+    "extra", [("precision=fp32",), ("precision=fp16", "logging.act_grads=false")]
+)
 def test_no_figure_without_fp16_activations_or_when_switched_off(fast_cfg, extra):
     rows = _rows(fast_cfg, "off", *extra)
     assert [r["act_grad_underflow_frac"] for r in rows] == [None, None]

@@ -64,9 +64,7 @@ def maybe_plot_run(run_dir: str | Path) -> Path | str:
         return f"no plot: writing {Path(run_dir) / 'plot.png'} failed: {e.strerror or e}"
 
 
-def run_plot(
-    path: Path, out: Path | None = None, baseline: Path | list[Path] | None = None
-) -> int:
+def run_plot(path: Path, out: Path | None = None, baseline: Path | list[Path] | None = None) -> int:
     """``ampctl plot PATH [--out FILE] [--baseline RUN ...]``: a sweep folder (has results.json)
     or a run folder. Prints the written path; returns 0. Bad input -> UsageError (exit 2)."""
     path = Path(path)
