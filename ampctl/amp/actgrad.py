@@ -14,10 +14,11 @@ counts on the device: elements that are exactly zero, elements below fp16's norm
 (zero or subnormal), and all elements. The gradient seen is the one stored in fp16, i.e. times
 the loss scale, which is the point: the scale is what keeps it out of the subnormal range.
 
-Cost: on a sampled step, one ``abs``, two comparisons and three reductions per fp16 activation
-gradient (all on the device, no host read); nothing at all is installed on other steps. Only
-float16 tensors are counted (bf16 has fp32's range; fp32 cannot underflow here), so a run with
-no fp16 activations reports ``None``.
+Cost: on a sampled step, one ``abs``, two comparisons and two reductions per fp16 activation
+gradient (on the device, no host read; element counts are known on the host): a few ms per log
+step on the default model on this project's CPU (profiled). Nothing is installed on other steps.
+By default only float16 tensors are counted (bf16 has fp32's range; fp32 cannot underflow
+here), so a run with no fp16 activations reports ``None``.
 
 Exact zeros include structural ones (masked positions, a ReLU's dead units), so
 ``act_grad_zero_frac`` is an upper bound on what was flushed; ``act_grad_underflow_frac``
