@@ -94,7 +94,8 @@ class ActGradCounter:
             for h in handles:
                 h.remove()
 
-    def fractions(self, counts: list[float] | None) -> dict[str, float | None]:
+    @staticmethod
+    def fractions(counts: list[float] | None) -> dict[str, float | None]:
         """The row figures from host ``counts`` ([zero, below_normal, total])."""
         if not counts or counts[2] <= 0:
             return dict.fromkeys(ROW_KEYS)

@@ -234,6 +234,8 @@ class Trainer:
         )
         # figures sampled on log steps (see metrics.Probe)
         self.probes: list[Probe] = [ActGradProbe()] if cfg.logging.act_grads else []
+        self._params_owner: tuple[Any, Any] = (None, None)  # what ``params`` was listed for
+        self._params_list: list[nn.Parameter] = []
         self.step = 0
         self.applied: int | torch.Tensor = 0  # optimizer steps applied (drives the lr schedule)
         self.window = LogWindow()
@@ -344,7 +346,7 @@ class Trainer:
     def params(self) -> list[nn.Parameter]:
         """The parameters the optimizer steps (fp32 masters in fp16-pure); listed again only
         when the precision or the optimizer changes (a fallback), not on every step."""
-        owner = getattr(self, "_params_owner", (None, None))
+        owner = self._params_owner
         if owner[0] is not self.precision or owner[1] is not self.optimizer:
             self._params_list = self.precision.optimizer_params(self.model)
             self._params_owner = (self.precision, self.optimizer)

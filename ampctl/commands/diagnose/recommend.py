@@ -184,15 +184,16 @@ def recommend(
             if "gradient_underflow" in kinds
             else "gradients overflow at the current scale"
         )
-        rec = g.get("recommended_init_scale_unbounded", g["recommended_init_scale"])
-        if "gradient_underflow" not in kinds or rec <= g.get("max_scale", math.inf):
-            rec = g["recommended_init_scale"]
+        # past the run's ceiling only for underflow (overflow never needs a larger scale)
+        rec = g["recommended_init_scale"]
+        if "gradient_underflow" in kinds and g["recommended_init_scale_unbounded"] > g["max_scale"]:
+            rec = g["recommended_init_scale_unbounded"]
         add(
             f"scaler.init_scale={plain(rec)}",
             f"{why}: S* = 65504 / max|g| = 65504 / {g['max_abs']:.4g} = {g['ideal_scale']:.4g}, "
             "rounded down to a power of two and halved",
         )
-        if rec > g.get("max_scale", math.inf):
+        if rec > g["max_scale"]:
             add(
                 f"scaler.max_scale={plain(max(rec, DEFAULT_MAX_SCALE))}",
                 f"the run's max_scale {g['max_scale']:g} holds the scale below S*",

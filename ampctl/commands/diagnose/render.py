@@ -368,7 +368,7 @@ def _gradients(g: dict[str, Any] | None, console: Any) -> None:
         "param grads underflow (|g| x scale < 2^-24)",
         f"{g['underflow_frac']:.2%} of elements incl. zeros ({g['zero_frac']:.2%} are zero in fp32)",
     )
-    act = g.get("act_grad_underflow_frac")
+    act = g["act_grad_underflow_frac"]
     if act is not None:
         t.add_row(
             "fp16 activation gradients",
@@ -379,7 +379,7 @@ def _gradients(g: dict[str, Any] | None, console: Any) -> None:
         f"{g['lost_frac']:.2%} now, {g['lost_frac_at_recommended']:.2%} at {g['recommended_init_scale']:g}",
     )
     rec = g["recommended_init_scale"]
-    free = g.get("recommended_init_scale_unbounded", rec)
+    free = g["recommended_init_scale_unbounded"]
     bounds = f" (the run's bounds allow {pow2(rec)})" if free != rec else ""
     t.add_row(
         "ideal scale S* = 65504 / max|g|",

@@ -244,6 +244,7 @@ def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> dict
         "act_scaled_max": 0.0,
         "figs": [],
         "nonfinite_params": [],
+        "act": ActGradCounter(),  # fp16 activation gradients over every batch of the pass
     }
     with _fp8_probe(inp, policy) as probe:
         for i, b in enumerate(inp.batches):
@@ -277,16 +278,12 @@ def _precision_batch(
     """Batch ``i`` of the precision pass, its figures added to ``st`` (on the device)."""
     model, scale = inp.model, inp.scale
     model.zero_grad(set_to_none=True)
-    counter = ActGradCounter()
-    with _seeded(inp.seed + inp.positions[i], inp.device), counter.hooks(model):
+    with _seeded(inp.seed + inp.positions[i], inp.device), st["act"].hooks(model):
         fwd, bwd = trace_modules(
             model,
             lambda b=b: _loss(model, b, policy.autocast, st["losses"], inp.accum) * scale,
             backward=True,
         )
-    if counter.counts is not None:  # fp16 activation gradients (zero, below normal, all)
-        prev = st.get("act_counts")
-        st["act_counts"] = counter.counts if prev is None else prev + counter.counts
     for t in fwd:
         m = st["modules"].setdefault(
             t.name, {"name": t.name, "dtype": t.dtype, "amax": 0.0, "bad": False}
@@ -339,15 +336,11 @@ def _gradients(
     rec = recommended_init_scale(max_abs, min_scale=inp.min_scale, max_scale=inp.max_scale)
     # the same without the run's bounds: a run pinned low (max_scale=1) needs them raised
     rec_free = recommended_init_scale(max_abs, min_scale=0.0, max_scale=math.inf)
-    act = ActGradCounter().fractions(
-        low["act_counts"].tolist() if low.get("act_counts") is not None else None
-    )
-    z = ref["act_zeros"].counts
-    act["act_grad_zero_frac_fp32"] = (
-        z[0].item() / z[2].item()
-        if act["act_grad_underflow_frac"] is not None and z is not None
-        else None
-    )
+    act = dict.fromkeys((*ActGradCounter.fractions(None), "act_grad_zero_frac_fp32"))
+    low_counts, ref_counts = low["act"].counts, ref["act_zeros"].counts
+    if low_counts is not None and ref_counts is not None:  # fp16 activations were counted
+        lo, rf = torch.stack([low_counts, ref_counts]).tolist()  # one read
+        act.update(ActGradCounter.fractions(lo), act_grad_zero_frac_fp32=rf[0] / rf[2])
     max_scaled = max_abs * inp.scale
     lost = (under - zeros) / nonzero if nonzero > 0 else 0.0
     return {

@@ -229,9 +229,9 @@ def _gradient_problems(r: dict[str, Any]) -> list[dict[str, Any]]:
                 module=bb["module"] if bb else None,
             )
         )
-    act = g.get("act_grad_underflow_frac")
-    rec_free = g.get("recommended_init_scale_unbounded", g["recommended_init_scale"])
-    lost = None if act is None else act - (g.get("act_grad_zero_frac_fp32") or 0.0)
+    act = g["act_grad_underflow_frac"]  # None: no fp16 activation was counted
+    rec_free = g["recommended_init_scale_unbounded"]
+    lost = None if act is None else act - g["act_grad_zero_frac_fp32"]
     if lost is not None and lost > ACT_UNDERFLOW_LIMIT and rec_free > g["scale"]:
         sub = act - g["act_grad_zero_frac"]
         bound = (

@@ -68,15 +68,13 @@ def run_plot(path: Path, out: Path | None = None, baseline: Path | list[Path] | 
     """``ampctl plot PATH [--out FILE] [--baseline RUN ...]``: a sweep folder (has results.json)
     or a run folder. Prints the written path; returns 0. Bad input -> UsageError (exit 2)."""
     path = Path(path)
-    if isinstance(baseline, list) and not baseline:
-        baseline = None
     if not path.exists():
         raise UsageError(
             f"{str(path)!r} does not exist: give a run folder (with metrics.jsonl) or a sweep folder (with results.json)"
         )
     _mpl()  # the install hint before any reading
     if path.is_dir() and (path / "results.json").is_file():
-        if baseline is not None:
+        if baseline:  # None or [] (the CLI's default): no baseline
             raise UsageError(
                 f"--baseline applies to a run folder; {str(path)!r} is a sweep folder (it has results.json)"
             )
