@@ -21,12 +21,17 @@ from tests.conftest import read_jsonl
 pytestmark = pytest.mark.slow
 
 
-def _final(tmp_path, precision: str) -> tuple[float, dict]:
-    cfg = load_config([f"precision={precision}", f"trainer.runs_dir={tmp_path}"])
-    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, precision))
+def _run(tmp_path, name: str, *overrides: str) -> tuple[float, dict, dict]:
+    """Train in ``tmp_path/name``: (mean loss of the last three log rows, the last row, summary)."""
+    cfg = load_config([f"trainer.runs_dir={tmp_path}", *overrides])
+    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, name))
     rows = read_jsonl(res.run_dir / "metrics.jsonl")
-    tail = rows[-3:]
-    return sum(r["loss"] for r in tail) / len(tail), res.summary
+    return sum(r["loss"] for r in rows[-3:]) / len(rows[-3:]), rows[-1], res.summary
+
+
+def _final(tmp_path, precision: str) -> tuple[float, dict]:
+    mean, _, summary = _run(tmp_path, precision, f"precision={precision}")
+    return mean, summary
 
 
 def test_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path):
@@ -45,12 +50,9 @@ def test_fp16_within_1pct_and_bf16_within_2pct_of_fp32(tmp_path):
 
 
 def _final_preset(tmp_path, preset: str, precision: str, *extra: str) -> tuple[float, dict]:
-    cfg = load_config(
-        [f"conf={preset}", f"precision={precision}", f"trainer.runs_dir={tmp_path}", *extra]
-    )
-    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, f"{preset}-{precision}"))
-    tail = read_jsonl(res.run_dir / "metrics.jsonl")[-3:]
-    return sum(r["loss"] for r in tail) / len(tail), res.summary
+    name = f"{preset}-{precision}"
+    mean, _, summary = _run(tmp_path, name, f"conf={preset}", f"precision={precision}", *extra)
+    return mean, summary
 
 
 @pytest.mark.parametrize("preset", ["gpt2_tiny", "llama_tiny"])
@@ -91,11 +93,7 @@ def test_decoder_fp8_within_3pct_of_bf16(tmp_path):
 
 
 def _underflow_run(tmp_path, name: str, *overrides: str) -> tuple[float, dict, dict]:
-    cfg = load_config(["conf=underflow", f"trainer.runs_dir={tmp_path}", *overrides])
-    res = train(cfg, new_run_dir(cfg.trainer.runs_dir, name))
-    rows = read_jsonl(res.run_dir / "metrics.jsonl")
-    tail = rows[-3:]
-    return sum(r["loss"] for r in tail) / len(tail), rows[-1], res.summary
+    return _run(tmp_path, name, "conf=underflow", *overrides)
 
 
 def test_underflow_preset_protection_matches_fp32_where_unscaled_fp16_flushes(tmp_path):
