@@ -132,7 +132,7 @@ class ActGradProbe:
         counts = c.counts
         if counts is None:  # no fp16 activation on this rank: zeros keep the ranks' reads alike
             counts = torch.zeros(3, dtype=torch.int64)
-        fig.add("act_grad_counts", counts.double(), "sum", vector=True)
+        fig.add("act_grad_counts", counts, "sum", vector=True)
 
     def row(self, values: dict[str, Any]) -> dict[str, Any]:
         """The row keys from the read ``values`` (host numbers)."""
