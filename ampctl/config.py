@@ -27,12 +27,8 @@ from ampctl.amp.precision import PrecisionConfig
 from ampctl.amp.scaler import ScalerConfig
 from ampctl.compose import OVERRIDE_FORMS, parse_overrides
 from ampctl.errors import ConfigError, UsageError, first_line
-from ampctl.train.builders import OptimConfig
-from ampctl.train.data import DataConfig
-from ampctl.train.dist import DistConfig
-from ampctl.train.logger import LoggingConfig
-from ampctl.train.protection import GuardConfig
-from ampctl.train.trainer import TrainerConfig
+from ampctl.protect.settings import GuardConfig, LoggingConfig
+from ampctl.train.settings import DataConfig, DistConfig, OptimConfig, TrainerConfig
 
 __all__ = [
     "ConfigError",

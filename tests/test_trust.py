@@ -27,7 +27,7 @@ def test_shipped_targets_are_ampctls_own_models_only():
     for other in (
         "subprocess.getoutput",
         "shutil.rmtree",
-        "ampctl.train.run.new_run_dir",  # ships with ampctl, but is no model
+        "ampctl.runlog.new_run_dir",  # ships with ampctl, but is no model
         "ampctl.train.models.torch",  # a module reached through the models package
         "ampctl.train.modelsX.BertForMaskedLM",
         "",

@@ -106,7 +106,7 @@ class ActGradCounter:
 
 
 class ActGradProbe:
-    """The trainer's log-step probe (:class:`ampctl.train.metrics.Probe`) for
+    """The trainer's log-step probe (:class:`ampctl.protect.figures.Probe`) for
     :class:`ActGradCounter`: hooks open for the log step's forward and backward passes, the
     three counts summed over ranks on the log read, two row keys (:data:`ROW_KEYS`)."""
 

@@ -58,9 +58,9 @@ def run_train(
     mode: str = "auto",
     console: Console | None = None,
 ) -> int:
+    from ampctl.runlog.writers import new_run_dir
     from ampctl.train.checkpoint import load_checkpoint
     from ampctl.train.dist import init_distributed
-    from ampctl.train.run import new_run_dir
     from ampctl.train.trainer import Trainer
     from ampctl.ui.display import Display
 

@@ -47,7 +47,9 @@ from torch import nn
 
 from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.precision import PLUGINS, Precision
-from ampctl.train.protection import ForwardLoss, GuardConfig, TrainAborted
+from ampctl.protect.loss import ForwardLoss
+from ampctl.protect.protection import TrainAborted
+from ampctl.protect.settings import GuardConfig
 
 from .run import IntegrationError, ProtectedRun, require, share_flags
 
@@ -235,7 +237,7 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 def lightning_forward(model: nn.Module, batch: Any) -> torch.Tensor:
     """The forward-overflow replay of a LightningModule: ``training_step(batch, 0)`` with
     ``self.log`` / ``self.log_dict`` muted; its loss (a tensor or ``["loss"]``)."""
-    from ampctl.train.builders import extract_loss
+    from ampctl.protect.loss import extract_loss
 
     muted = {"log": _no_log, "log_dict": _no_log}
     model.__dict__.update(muted)
@@ -255,7 +257,7 @@ class AmpctlCallback(Callback):
         precision: ``fp16``, ``bf16`` or ``fp32``; None: the Trainer's mixed precision if it has
             one, else fp16. Ignored when the Trainer already has an :class:`AmpctlPrecision`.
         scaler: the LossScaler for the plugin the callback puts in place.
-        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
         log_every: metrics row interval in optimizer steps (default: ``log_every_n_steps``).
         display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
             ``quiet``) or object for the live table; None: no display (Lightning's bar stays).

@@ -14,7 +14,7 @@ Accelerate loop; the Lightning and HF Trainer integrations are built on it)::
             scaler.update()
             run.after_step(loss, batch)    # after update(), before the next zero_grad()
 
-Per optimizer step it hands the step to :class:`~ampctl.train.protection.Protection` -- the
+Per optimizer step it hands the step to :class:`~ampctl.protect.protection.Protection` -- the
 overflow event (with the parameters whose gradients were non-finite), rollback to the last good
 state after ``rollback_after`` overflows in a row, the skip budget, the floor policy, the
 forward-overflow replay that moves the overflowing module to fp32 -- and every ``log_every``
@@ -55,17 +55,13 @@ from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision
 from ampctl.amp.scaler import OptState
 from ampctl.amp.stats import grad_stats
 from ampctl.errors import UsageError
+from ampctl.protect.figures import DeviceFigures, LogWindow
+from ampctl.protect.logger import RunLogger
+from ampctl.protect.loss import ForwardLoss
+from ampctl.protect.protection import Progress, Protection, TrainAborted
+from ampctl.protect.settings import GuardConfig
 from ampctl.runlog import RunLayout, is_run_dir, prepare_resume
 from ampctl.runlog.writers import atomic_write_text
-from ampctl.train.logger import RunLogger
-from ampctl.train.metrics import DeviceFigures, LogWindow
-from ampctl.train.protection import (
-    ForwardLoss,
-    GuardConfig,
-    Progress,
-    Protection,
-    TrainAborted,
-)
 
 __all__ = [
     "IntegrationError",
@@ -186,7 +182,7 @@ class ProtectedRun:
         precision: ``fp16``, ``bf16`` or ``fp32`` -- what the loop's autocast runs (used for the
             forward-overflow replay, the fp32 exemptions and the records) -- or an ampctl
             :class:`~ampctl.amp.precision.Precision` plugin that owns the scaler.
-        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
         log_every: write a metrics row every this many optimizer steps (and at ``max_steps``).
         max_steps: the planned number of optimizer steps (rows, display), or None.
         overflow_window: the steps the row's ``overflow_rate`` covers.
@@ -568,7 +564,7 @@ class ProtectedRun:
         only the micro-batch is added. Returns the metrics row on a log step, else None.
 
         Host reads: see the module docstring. May raise
-        :class:`~ampctl.train.protection.TrainAborted` (the guard gave up)."""
+        :class:`~ampctl.protect.protection.TrainAborted` (the guard gave up)."""
         if not self._started:
             # the scaler's count was taken when the run was built (or loaded): this call may
             # follow the run's first update already

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from ampctl.amp import LossScaler
-from ampctl.train.protection import GuardConfig, TrainAborted
+from ampctl.protect.protection import TrainAborted
+from ampctl.protect.settings import GuardConfig
 
 from .run import IntegrationError, ProtectedRun, require
 
@@ -231,7 +232,7 @@ def protect_trainer(
         trainer: a ``transformers.Trainer`` (or subclass), before ``train()``.
         run_dir: the run folder; default ``<output_dir>/ampctl``.
         scaler: the LossScaler (default: ampctl's defaults with the Trainer's precision).
-        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
         log_every: metrics row interval in optimizer steps (default ``logging_steps``).
         display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
             ``quiet``) or object for the live table (pass ``disable_tqdm=True`` to the

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import signal
 import time
 from collections.abc import Callable
@@ -38,8 +37,11 @@ from torch import nn
 
 from ampctl.amp import make_precision, match_modules
 from ampctl.amp.actgrad import ActGradProbe
-from ampctl.amp.checks import is_int, need
 from ampctl.amp.stats import grad_stats
+from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, sampling
+from ampctl.protect.logger import RunLogger
+from ampctl.protect.loss import extract_loss
+from ampctl.protect.protection import Protection, TrainAborted
 from ampctl.runlog import RunLayout, branch_event, prepare_resume
 from ampctl.train.builders import (
     BuildError,
@@ -47,7 +49,6 @@ from ampctl.train.builders import (
     build_data_source,
     build_model,
     build_optimizer,
-    extract_loss,
     resolve_device,
 )
 from ampctl.train.checkpoint import (
@@ -65,9 +66,6 @@ from ampctl.train.dist import (
     no_sync,
     wrap_model,
 )
-from ampctl.train.logger import RunLogger
-from ampctl.train.metrics import DeviceFigures, LogWindow, Probe, sampling
-from ampctl.train.protection import Protection, TrainAborted
 from ampctl.train.schedule import lr_factor
 
 if TYPE_CHECKING:
@@ -75,66 +73,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Trainer",
-    "TrainerConfig",
     "TrainResult",
     "TrainAborted",
     "CheckpointWriteError",
     "train",
 ]
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """``trainer.*``: the loop's length, cadence, seed, device and run folder."""
-
-    max_steps: int = 200
-    log_every: int = 10
-    ckpt_every: int = 100
-    keep_last: int = 3
-    grad_accum_steps: int = 1
-    seed: int = 0
-    device: str = "auto"
-    runs_dir: str = "runs"
-    overflow_window: int = 50
-    stop_at: int | None = None  # stop (checkpoint, status ok) here; max_steps keeps the lr horizon
-    compile: bool = False
-    compile_backend: str = "inductor"
-
-    def __post_init__(self) -> None:
-        for k in (
-            "max_steps",
-            "log_every",
-            "ckpt_every",
-            "keep_last",
-            "grad_accum_steps",
-            "overflow_window",
-        ):
-            v = getattr(self, k)
-            need(is_int(v) and v >= 1, self, k, v, "an integer >= 1")
-        need(is_int(self.seed) and self.seed >= 0, self, "seed", self.seed, "an integer >= 0")
-        need(
-            self.stop_at is None or (is_int(self.stop_at) and 1 <= self.stop_at <= self.max_steps),
-            self,
-            "stop_at",
-            self.stop_at,
-            f"null or an integer in [1, max_steps={self.max_steps}]",
-        )
-        need(
-            self.device in ("auto", "cpu", "cuda")
-            or re.fullmatch(r"cuda:\d+", self.device) is not None,
-            self,
-            "device",
-            self.device,
-            "one of auto, cpu, cuda, cuda:N",
-        )
-        need(isinstance(self.compile, bool), self, "compile", self.compile, "true or false")
-        need(
-            isinstance(self.compile_backend, str) and bool(self.compile_backend),
-            self,
-            "compile_backend",
-            self.compile_backend,
-            "a torch.compile backend name, e.g. inductor (the default), aot_eager, eager",
-        )
 
 
 Fault = Callable[["Trainer", int, str], None]
@@ -184,7 +127,7 @@ class Trainer:
 
     Args:
         cfg: validated config.
-        run_dir: the run folder (created by the caller; see :func:`ampctl.train.run.new_run_dir`).
+        run_dir: the run folder (created by the caller; see :func:`ampctl.runlog.new_run_dir`).
         display: object with ``update(metrics)``, ``event(event)``, ``summary(summary)``, or None.
         resume: a checkpoint dict (from :func:`load_checkpoint`) to continue from. When it is not
             the run's newest checkpoint the later history is set aside first
@@ -209,7 +152,13 @@ class Trainer:
         self.ctx = dist_ctx or init_distributed(cfg.dist.strategy, cfg.trainer.device)
         self.device = self._device()
         torch.manual_seed(cfg.trainer.seed)
-        self.data = build_data_source(cfg, self.ctx.rank, self.ctx.world_size)
+        self.data = build_data_source(
+            cfg.data,
+            model=cfg.model,
+            seed=cfg.trainer.seed,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+        )
         self.model = self._model()
         precision = self._precision(resume)
         self.fwd_model = wrap_model(self.model, self.ctx, self.device)
@@ -279,7 +228,7 @@ class Trainer:
         return device
 
     def _model(self) -> nn.Module:
-        model = build_model(self.cfg).to(self.device)
+        model = build_model(self.cfg.model).to(self.device)
         missing = accepts_batch_keys(model, list(self.data.batch_keys))
         if missing:
             raise BuildError(

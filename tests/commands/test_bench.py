@@ -23,7 +23,7 @@ from ampctl.commands.bench import (
     plan,
     print_report,
 )
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from tests.conftest import FAST
 
 runner = CliRunner()

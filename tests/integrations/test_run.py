@@ -16,7 +16,7 @@ from torch import nn
 from ampctl.amp import LossScaler
 from ampctl.errors import UsageError
 from ampctl.integrations import IntegrationError, ProtectedRun
-from ampctl.train.protection import TrainAborted
+from ampctl.protect.protection import TrainAborted
 from tests.conftest import read_jsonl
 from tests.integrations.conftest import TinyNet, batches
 

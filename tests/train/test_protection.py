@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampctl.hostreads import count_host_reads
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 

@@ -15,7 +15,8 @@ from torch import nn
 from ampctl.amp.checks import FieldError
 from ampctl.amp.guard import GuardRules
 from ampctl.amp.precision import PRECISIONS, make_precision
-from ampctl.train.protection import GuardConfig, Protection, TrainAborted
+from ampctl.protect.protection import Protection, TrainAborted
+from ampctl.protect.settings import GuardConfig
 
 INF = float("inf")
 
@@ -874,7 +875,7 @@ def test_forward_overflows_at_the_floor_are_not_a_floor_problem():
 
 
 def test_a_device_without_bf16_falls_back_to_fp32(monkeypatch):
-    from ampctl.train import protection
+    from ampctl.protect import protection
 
     seen = []
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ampctl.runlog import RunLayout
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer
 from tests.conftest import FAST, read_jsonl
 from tests.train.test_protection import planted

@@ -7,7 +7,7 @@ the ``exclude`` patterns (and ``fp32_modules``) leave in, and keeps the reason f
 probe: on log steps only, the per-layer cast health of :func:`ampctl.amp.fp8.probe` rides on
 the loop's one read, goes to metrics.jsonl as the worst layer's figures, and is kept
 (:meth:`Fp8CastProbe.take_sample`) for the guard's demotion rules
-(:class:`ampctl.amp.fp8.Fp8Health`, applied by :class:`ampctl.train.protection.Protection`).
+(:class:`ampctl.amp.fp8.Fp8Health`, applied by :class:`ampctl.protect.protection.Protection`).
 On a step skipped for non-finite gradients the guard replays the step through
 :meth:`FP8Precision.replay_casts` (the same probe, once) to find the layer whose cast went
 non-finite first, and demotes it at once.
@@ -187,7 +187,7 @@ class FP8Precision(Precision):
 
 
 class Fp8CastProbe:
-    """fp8 cast health on log steps (the :class:`ampctl.train.metrics.Probe` protocol).
+    """fp8 cast health on log steps (the :class:`ampctl.protect.figures.Probe` protocol).
 
     ``sampling(model, True)`` opens :func:`ampctl.amp.fp8.probe` on the eager model for the
     step's forward and backward; ``figures`` adds the per-layer rows to the log read (max over

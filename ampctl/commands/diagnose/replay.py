@@ -167,7 +167,7 @@ def _params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _loss(model: nn.Module, b: dict[str, torch.Tensor], autocast: Any, out: list, accum: int):
-    from ampctl.train.builders import extract_loss
+    from ampctl.protect.loss import extract_loss
 
     with autocast():
         o = model(**b)
@@ -462,7 +462,7 @@ def ampctl_input(
     ck = found.raw
     try:
         with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the RNG alone
-            model = build_model(cfg)
+            model = build_model(cfg.model)
         model.load_state_dict(ck["model"])
     except (UsageError, RuntimeError) as e:
         raise ReplaySkipped(
@@ -480,7 +480,7 @@ def ampctl_input(
                 p.copy_(m)
     model.to(device).train()
     try:
-        data = build_data_source(cfg)
+        data = build_data_source(cfg.data, model=cfg.model, seed=cfg.trainer.seed)
     except (UsageError, ValueError) as e:
         raise ReplaySkipped(f"the data cannot be rebuilt: {first_line(e)}") from None
     start = int((ck.get("data") or {}).get("position", 0))

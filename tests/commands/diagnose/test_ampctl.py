@@ -26,10 +26,10 @@ from ampctl.commands.diagnose import (
     run_diagnose,
 )
 from ampctl.config import load_config
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import FORMAT, latest_checkpoint, list_checkpoints
 from ampctl.train.data import IGNORE_INDEX, PAD_ID
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST
 

@@ -45,7 +45,6 @@ rode on the loop's log read (:meth:`Protection.after_log`): no read of their own
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -55,94 +54,20 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ampctl.amp.checks import is_finite, is_int, need
 from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
-from ampctl.amp.guard import Action, Decision, GuardRules, OverflowGuard
+from ampctl.amp.guard import Action, Decision, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
-from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision, bf16_supported, make_precision
+from ampctl.amp.precision import PLUGINS, Precision, bf16_supported, make_precision
 from ampctl.amp.scaler import LossScaler
+from ampctl.protect.loss import ForwardLoss, default_forward
+from ampctl.protect.settings import GuardConfig
 
-__all__ = ["GuardConfig", "Protection", "TrainAborted", "Progress"]
+__all__ = ["Protection", "TrainAborted", "Progress"]
 
 
 class TrainAborted(RuntimeError):
     """The guard gave up (abort policy, or nothing left to fall back to)."""
-
-
-@dataclass(kw_only=True)
-class GuardConfig(GuardRules):
-    """``guard.*``: the rules of :class:`~ampctl.amp.guard.GuardRules` plus how they are carried
-    out (attribution, forward locate and promotion, rollback's scale cut, snapshots)."""
-
-    enabled: bool = True
-    attribution: bool = True
-    attribution_limit: int = 5
-    locate_forward: bool = True
-    promote: bool = True
-    rollback_backoff: float = 0.25
-    snapshot_every: int = 10
-    fp8_demote: bool = True
-    fp8_sat_threshold: float = 0.10
-    fp8_under_threshold: float = 0.01
-    fp8_patience: int = 3
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for f, allowed in (
-            ("fp8_sat_threshold", "a fraction in [0, 1]"),
-            ("fp8_under_threshold", "a fraction in [0, 1]"),
-        ):
-            v = getattr(self, f)
-            need(is_finite(v) and 0 <= v <= 1, self, f, v, allowed)
-        need(
-            is_int(self.fp8_patience) and self.fp8_patience >= 1,
-            self,
-            "fp8_patience",
-            self.fp8_patience,
-            "an integer >= 1 (log steps in a row above a threshold)",
-        )
-        need(
-            is_int(self.attribution_limit) and self.attribution_limit >= 1,
-            self,
-            "attribution_limit",
-            self.attribution_limit,
-            "an integer >= 1",
-        )
-        need(
-            is_finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
-            self,
-            "rollback_backoff",
-            self.rollback_backoff,
-            "in (0, 1]",
-        )
-        bad = [p for p in self.fallback_chain if p not in PRECISIONS]
-        need(
-            not bad,
-            self,
-            "fallback_chain",
-            list(self.fallback_chain),
-            f"a list of {', '.join(PRECISIONS)}",
-        )
-        need(
-            is_int(self.snapshot_every) and self.snapshot_every >= 0,
-            self,
-            "snapshot_every",
-            self.snapshot_every,
-            "an integer >= 0 (0: no snapshots)",
-        )
-
-    @property
-    def rules(self) -> GuardRules:
-        return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
-
-    @property
-    def fp8_rules(self) -> DemoteRules:
-        return DemoteRules(
-            sat_threshold=self.fp8_sat_threshold,
-            under_threshold=self.fp8_under_threshold,
-            patience=self.fp8_patience,
-        )
 
 
 class Progress(Protocol):
@@ -173,13 +98,6 @@ class _Pending:
 
 
 Emit = Callable[..., None]  # emit(step, kind, message, **extra)
-ForwardLoss = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-
-
-def _default_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from ampctl.train.builders import extract_loss
-
-    return extract_loss(model(**batch)).float()
 
 
 class Protection:
@@ -230,7 +148,7 @@ class Protection:
         self.events: list[dict[str, Any]] = []
         self._emit_fn = emit
         self.progress = progress
-        self.forward = forward or _default_forward
+        self.forward = forward or default_forward
         self.rebuild_optimizer = rebuild_optimizer
         self.dist = dist
         self.fallback_unavailable = fallback_unavailable

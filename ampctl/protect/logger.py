@@ -9,30 +9,13 @@ failure is turned into one warning event).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ampctl.amp.checks import need
 from ampctl.runlog import RunLayout, RunWriter, read_jsonl
 from ampctl.ui.tensorboard import make_tensorboard_sink
 
 __all__ = ["RunLogger"]
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    """``logging.*``: extra sinks, the end-of-run plot, and the log-step activation-gradient
-    underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only)."""
-
-    tensorboard: bool = False
-    plot: bool = True
-    act_grads: bool = True
-
-    def __post_init__(self) -> None:
-        for k in ("tensorboard", "plot", "act_grads"):
-            v = getattr(self, k)
-            need(isinstance(v, bool), self, k, v, "true or false")
 
 
 class RunLogger:

@@ -1,0 +1,109 @@
+"""The protection's own config groups: ``guard.*`` (:class:`GuardConfig`) and ``logging.*``
+(:class:`LoggingConfig`).
+
+Plain dataclasses validated in ``__post_init__``; this module imports the numeric core only, never
+the runtime that uses them, so :class:`~ampctl.config.RunConfig` composes them without importing
+the loops (config flows one way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ampctl.amp.checks import is_finite, is_int, need
+from ampctl.amp.fp8 import DemoteRules
+from ampctl.amp.guard import GuardRules
+from ampctl.amp.precision import PRECISIONS
+
+__all__ = ["GuardConfig", "LoggingConfig"]
+
+
+@dataclass(kw_only=True)
+class GuardConfig(GuardRules):
+    """``guard.*``: the rules of :class:`~ampctl.amp.guard.GuardRules` plus how they are carried
+    out (attribution, forward locate and promotion, rollback's scale cut, snapshots)."""
+
+    enabled: bool = True
+    attribution: bool = True
+    attribution_limit: int = 5
+    locate_forward: bool = True
+    promote: bool = True
+    rollback_backoff: float = 0.25
+    snapshot_every: int = 10
+    fp8_demote: bool = True
+    fp8_sat_threshold: float = 0.10
+    fp8_under_threshold: float = 0.01
+    fp8_patience: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for f, allowed in (
+            ("fp8_sat_threshold", "a fraction in [0, 1]"),
+            ("fp8_under_threshold", "a fraction in [0, 1]"),
+        ):
+            v = getattr(self, f)
+            need(is_finite(v) and 0 <= v <= 1, self, f, v, allowed)
+        need(
+            is_int(self.fp8_patience) and self.fp8_patience >= 1,
+            self,
+            "fp8_patience",
+            self.fp8_patience,
+            "an integer >= 1 (log steps in a row above a threshold)",
+        )
+        need(
+            is_int(self.attribution_limit) and self.attribution_limit >= 1,
+            self,
+            "attribution_limit",
+            self.attribution_limit,
+            "an integer >= 1",
+        )
+        need(
+            is_finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
+            self,
+            "rollback_backoff",
+            self.rollback_backoff,
+            "in (0, 1]",
+        )
+        bad = [p for p in self.fallback_chain if p not in PRECISIONS]
+        need(
+            not bad,
+            self,
+            "fallback_chain",
+            list(self.fallback_chain),
+            f"a list of {', '.join(PRECISIONS)}",
+        )
+        need(
+            is_int(self.snapshot_every) and self.snapshot_every >= 0,
+            self,
+            "snapshot_every",
+            self.snapshot_every,
+            "an integer >= 0 (0: no snapshots)",
+        )
+
+    @property
+    def rules(self) -> GuardRules:
+        return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
+
+    @property
+    def fp8_rules(self) -> DemoteRules:
+        return DemoteRules(
+            sat_threshold=self.fp8_sat_threshold,
+            under_threshold=self.fp8_under_threshold,
+            patience=self.fp8_patience,
+        )
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """``logging.*``: extra sinks, the end-of-run plot, and the log-step activation-gradient
+    underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only)."""
+
+    tensorboard: bool = False
+    plot: bool = True
+    act_grads: bool = True
+
+    def __post_init__(self) -> None:
+        for k in ("tensorboard", "plot", "act_grads"):
+            v = getattr(self, k)
+            need(isinstance(v, bool), self, k, v, "true or false")
