@@ -245,4 +245,3 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         need(self.strategy in ("ddp", "fsdp"), self, "strategy", self.strategy, "one of ddp, fsdp")
-
