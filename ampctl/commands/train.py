@@ -58,6 +58,7 @@ def run_train(
     mode: str = "auto",
     console: Console | None = None,
 ) -> int:
+    from ampctl.protect.records import write_config
     from ampctl.runlog.writers import new_run_dir
     from ampctl.train.checkpoint import load_checkpoint
     from ampctl.train.dist import init_distributed
@@ -108,7 +109,7 @@ def run_train(
         trainer.log.event(fork_event(parent, Path(ck["path"]), ck["step"]))
     if not ctx.is_main:
         return trainer.run().exit_code
-    RunLayout(run_dir).config.write_text(to_yaml(cfg))
+    write_config(run_dir, cfg.to_dict())
     with display:
         result = trainer.run()
     _report(console, display, trainer, result, cfg, run_dir)

@@ -50,6 +50,7 @@ from ampctl.amp.precision import PLUGINS, Precision
 from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import TrainAborted
 from ampctl.protect.settings import GuardConfig
+from ampctl.protect.switch import switch_precision
 
 from .run import IntegrationError, ProtectedRun, require, share_flags
 
@@ -194,22 +195,7 @@ class AmpctlPrecision(MixedPrecision):
         self.scaler.load_state_dict(state)
 
     def _switch(self, name: str) -> None:
-        old = self.amp
-        exempted = old.release(self._module) if self._module is not None else []
-        new = make_precision(
-            name,
-            fp32_modules=old.fp32_modules,
-            device_type=old.device_type,
-            scaler=LossScaler(
-                enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
-            ),
-        )
-        if self._module is not None:
-            new.prepare(self._module)
-            for n in exempted:
-                new.exempt(self._module, n)
-        new.scaler.reduce_flags = old.scaler.reduce_flags
-        self._current.precision = new
+        self._current.precision = switch_precision(self.amp, name, self._module)
 
 
 class _Schedulers:

@@ -49,19 +49,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampctl.amp import LossScaler, make_precision, match_modules
+from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.checks import FieldError, is_int
 from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision
 from ampctl.amp.scaler import OptState
 from ampctl.amp.stats import grad_stats
 from ampctl.errors import UsageError
-from ampctl.protect.figures import DeviceFigures, LogWindow
+from ampctl.protect.figures import DeviceFigures, LogWindow, gather_log_figures
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import ForwardLoss
-from ampctl.protect.protection import Progress, Protection, TrainAborted
+from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.records import metrics_row, run_summary, write_config
 from ampctl.protect.settings import GuardConfig
 from ampctl.runlog import RunLayout, is_run_dir, prepare_resume
-from ampctl.runlog.writers import atomic_write_text
 
 __all__ = [
     "IntegrationError",
@@ -219,7 +219,7 @@ class ProtectedRun:
         overflow_window: int = 50,
         display: Any = None,
         forward: ForwardLoss | None = None,
-        progress: Progress | None = None,
+        progress: Any = None,
         fp32_modules: Iterable[str] = (),
         framework: str = "loop",
         config: Mapping[str, Any] | None = None,
@@ -248,6 +248,7 @@ class ProtectedRun:
                     f"ProtectedRun: {name}={value!r} is not allowed: {name} must be {allowed}"
                 )
         self.model = model
+        self._progress = progress
         self.run_dir = Path(run_dir)
         self.framework = framework
         self.read_skips = bool(read_skips)
@@ -261,7 +262,7 @@ class ProtectedRun:
             amp,
             config=_guard_config(guard),
             emit=self._emit,
-            progress=progress,
+            progress_state=progress.state_dict if progress is not None else None,
             forward=forward,
             fallback_unavailable=fallback_unavailable,
             dist=_Ranks() if _world_size() > 1 else None,
@@ -418,7 +419,7 @@ class ProtectedRun:
             if resumed:
                 prepare_resume(layout, Path(resumed_from or self.run_dir), step)
             if not layout.config.is_file():
-                atomic_write_text(layout.config, self._config_yaml())
+                write_config(self.run_dir, self._config())
         self.display = self._make_display()
         self.log = RunLogger(
             self.run_dir, is_main=self.is_main, display=self.display, tensorboard=self._tensorboard
@@ -455,9 +456,9 @@ class ProtectedRun:
             return disp
         return d
 
-    def _config_yaml(self) -> str:
-        from omegaconf import OmegaConf
-
+    def _config(self) -> dict[str, Any]:
+        """What config.yaml records of a loop ampctl did not build: the precision, the
+        scaler's settings, the guard's, the logging cadence and the caller's extra entries."""
         sc = self.scaler
         guard = dataclasses.asdict(self.protection.config)
         cfg = {
@@ -482,7 +483,7 @@ class ProtectedRun:
             },
             **self._extra_config,
         }
-        return OmegaConf.to_yaml(OmegaConf.create(cfg))
+        return cfg
 
     def __enter__(self) -> ProtectedRun:
         self.start()
@@ -594,67 +595,51 @@ class ProtectedRun:
             stats = self._post_step_stats()
         lr, self._lr = self._lr, None
         try:
-            self.protection.after_step(step, skipped=skipped, batches=batches or None)
+            self._apply(self.protection.after_step(step, skipped=skipped, batches=batches or None))
             return self._log_row(step, stats, lr) if log else None
         except TrainAborted:
             self.status = "aborted"
             raise
 
     def _log_row(self, step: int, stats: dict[str, torch.Tensor] | None, lr: Any) -> dict[str, Any]:
-        """Read the interval's figures in one transfer, write the row, then take the guard's
-        waiting decisions (fused optimizer). **Syncs** once."""
+        """Read the interval's figures in one transfer, take the guard's waiting decisions
+        (fused optimizer), then write the row. **Syncs** once."""
         fig = DeviceFigures(self._device())
-        w = self.window
-        fig.add("loss_sum", w.loss_sum if w.loss_sum is not None else 0.0)
-        fig.add("loss_n", w.loss_n if w.loss_n is not None else 0.0)
-        if stats is not None:
-            fig.add("grad_norm_sq", stats["grad_norm"] ** 2)
-            fig.add("grad_underflow", stats["grad_underflow"])
-            fig.add("grad_elems", stats["grad_elems"])
-            fig.add("nonfinite_grads", stats["nonfinite_grads"])
-            fig.add("grad_amax", stats["grad_amax"])
-        for k, v in self.scaler.device_counters().items():
-            fig.add(k, v)
-        fig.add("recent_skips", self.scaler.recent_skips(self.overflow_window))
-        fig.add("lr", lr if lr is not None else _copy(self.optimizer.param_groups[0]["lr"]))
-        pending = self.protection.pending_reads()
-        if pending is not None:
-            fig.add("guard", pending, vector=True)
+        gather_log_figures(
+            fig,
+            window=self.window,
+            stats=stats,
+            scaler=self.scaler,
+            overflow_window=self.overflow_window,
+            lr=lr if lr is not None else _copy(self.optimizer.param_groups[0]["lr"]),
+            pending=self.protection.pending_reads(),
+        )
         v = fig.read()  # the log read
         window, self.window = self.window, LogWindow()
-        dt = max(time.perf_counter() - window.t0, 1e-9)
-        n = self.scaler.num_steps
-        row: dict[str, Any] = {
-            "step": step,
-            "loss": v["loss_sum"] / v["loss_n"] if v["loss_n"] > 0 else float("nan"),
-            "scale": v["scale"] if self.scaler.is_enabled() else 1.0,
-            "skipped": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "overflow_rate": v["recent_skips"] / max(min(self.overflow_window, n), 1),
-            "lr": v["lr"],
-            "precision": self.precision.name,
-            "tokens_per_s": window.tokens / dt if window.tokens else None,
-            "elapsed_s": self._elapsed(),
-            "max_steps": self.max_steps,
-            "grad_norm": None,
-            "grad_amax": None,
-            "grad_underflow_frac": None,
-            "nonfinite_grads": None,
-        }
-        if stats is not None:
-            row.update(
-                grad_norm=max(v["grad_norm_sq"], 0.0) ** 0.5,
-                grad_amax=v["grad_amax"],
-                grad_underflow_frac=v["grad_underflow"] / max(v["grad_elems"], 1),
-                nonfinite_grads=int(v["nonfinite_grads"]),
-            )
+        if "guard" in v:
+            self._apply(self.protection.on_read(v["guard"]))
+        row = metrics_row(
+            v,
+            step=step,
+            scaler=self.scaler,
+            precision=self.precision.name,
+            overflow_window=self.overflow_window,
+            max_steps=self.max_steps,
+            tokens=window.tokens,
+            seconds=time.perf_counter() - window.t0,
+            elapsed_s=self._elapsed(),
+        )
         self.last_row = row
         assert self.log is not None
         self.log.metrics(row)
-        if "guard" in v:
-            self.protection.on_read(v["guard"])
         return row
+
+    def _apply(self, rewind: Rewind | None) -> None:
+        """A rollback or fallback restored weights, optimizer state and scale: put the caller's
+        ``progress`` (e.g. the lr scheduler) back too. The loop's own step counter and data go
+        on (this run does not own them)."""
+        if rewind is not None and self._progress is not None and rewind.progress is not None:
+            self._progress.load_state_dict(rewind.progress)
 
     # ------------------------------------------------------------------ events
     def _emit(self, ev: dict[str, Any]) -> None:
@@ -680,32 +665,24 @@ class ProtectedRun:
         status = status or self.status or "ok"
         if status == "ok":
             try:
-                self.protection.sync()
+                self._apply(self.protection.sync())
             except TrainAborted:
                 status = "aborted"
         self.status = status
-        st = self.scaler.stats()
-        wall = self._elapsed()
-        configured = set(match_modules(self.model, self.precision.fp32_modules))
         assert self.log is not None
-        summary: dict[str, Any] = {
-            "status": status,
-            "framework": self.framework,
-            "final_loss": self.last_row.get("loss"),
-            "steps": self._step,
-            "max_steps": self.max_steps,
-            "skipped": st["skipped_total"],
-            "forward_overflows": st["forward_overflows"],
-            "overflow_rate": st["skipped_total"] / max(st["steps"], 1),
-            "final_scale": st["scale"],
-            "precision": self.precision.name,
-            "promoted_modules": [m for m in self.precision.exempted if m not in configured],
-            "fp32_modules": list(self.precision.exempted),
-            "events": self.log.event_counts() if self.is_main else {},
-            "wall_time_s": wall,
-            "tokens_per_s": self._tokens_total / max(wall, 1e-9) if self._tokens_total else None,
-            "run_dir": str(self.run_dir),
-        }
+        summary = run_summary(
+            status,
+            framework=self.framework,
+            model=self.model,
+            precision=self.precision,
+            final_loss=self.last_row.get("loss"),
+            steps=self._step,
+            max_steps=self.max_steps,
+            events=self.log.event_counts() if self.is_main else {},
+            wall_s=self._elapsed(),
+            tokens=self._tokens_total,
+            run_dir=self.run_dir,
+        )
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["LogWindow", "DeviceFigures", "Probe", "sampling"]
+__all__ = ["LogWindow", "DeviceFigures", "Probe", "gather_log_figures", "sampling"]
 
 
 @dataclass
@@ -140,3 +140,40 @@ def sampling(probes: list[Probe], model: nn.Module, enabled: bool):
         for p in probes:
             stack.enter_context(p.sampling(model, True))
         yield
+
+
+def gather_log_figures(
+    fig: DeviceFigures,
+    *,
+    window: LogWindow,
+    stats: dict[str, torch.Tensor] | None,
+    scaler: Any,
+    overflow_window: int,
+    lr: Any,
+    probes: list[Probe] | tuple[()] = (),
+    pending: torch.Tensor | None = None,
+    sharded: bool = False,
+) -> None:
+    """Add every figure of a log step to ``fig`` under the names
+    :func:`~ampctl.protect.records.metrics_row` reads: the interval's loss, the gradient
+    statistics (when taken), the scaler's counters, the recent skips, the lr, the probes' figures
+    and the guard's waiting decisions (``pending``, fused path; read back as ``"guard"``).
+    ``sharded``: the gradients are sharded over ranks (FSDP), so their figures are summed (and
+    their max taken) across ranks; the loss is always summed. No host read."""
+    fig.add("loss_sum", window.loss_sum if window.loss_sum is not None else 0.0, "sum")
+    fig.add("loss_n", window.loss_n if window.loss_n is not None else 0.0, "sum")
+    if stats is not None:
+        s, m = ("sum", "max") if sharded else (None, None)
+        fig.add("grad_norm_sq", stats["grad_norm"] ** 2, s)
+        fig.add("grad_underflow", stats["grad_underflow"], s)
+        fig.add("grad_elems", stats["grad_elems"], s)
+        fig.add("nonfinite_grads", stats["nonfinite_grads"], s)
+        fig.add("grad_amax", stats["grad_amax"], m)
+    for k, v in scaler.device_counters().items():
+        fig.add(k, v)
+    fig.add("recent_skips", scaler.recent_skips(overflow_window))
+    fig.add("lr", lr)
+    for probe in probes:
+        probe.figures(fig)
+    if pending is not None:
+        fig.add("guard", pending, vector=True)

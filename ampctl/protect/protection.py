@@ -45,11 +45,10 @@ rode on the loop's log read (:meth:`Protection.after_log`): no read of their own
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,24 +57,36 @@ from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
 from ampctl.amp.guard import Action, Decision, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
-from ampctl.amp.precision import PLUGINS, Precision, bf16_supported, make_precision
+from ampctl.amp.precision import Precision, bf16_supported
 from ampctl.amp.scaler import LossScaler
 from ampctl.protect.loss import ForwardLoss, default_forward
 from ampctl.protect.settings import GuardConfig
+from ampctl.protect.switch import switch_precision
 
-__all__ = ["Protection", "TrainAborted", "Progress"]
+__all__ = ["Protection", "Rewind", "TrainAborted"]
 
 
 class TrainAborted(RuntimeError):
     """The guard gave up (abort policy, or nothing left to fall back to)."""
 
 
-class Progress(Protocol):
-    """The owner's position that a rollback rewinds (step, data position, RNG ...)."""
+@dataclass(frozen=True)
+class Rewind:
+    """What a rollback or a fallback restored, for the loop to put its own position back.
 
-    def state_dict(self) -> dict[str, Any]: ...
+    The protection restores what it owns (weights, fp32 masters, optimizer state, scale); the
+    loop owns its step counter, data position, RNG, lr schedule: it gets them back as it handed
+    them over, ``progress`` (what its ``progress_state()`` returned when the snapshot of
+    ``to_step`` was taken; None without ``progress_state`` or snapshot), and applies them."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    kind: str  # "rollback" | "fallback"
+    from_step: int  # the step whose decision restored
+    to_step: int  # the step whose state is back
+    progress: Any = None
+    discarded_steps: int = 0  # steps that had run after from_step (fused path: decided late)
+
+
+_ASK = object()  # take_snapshot: ask the loop for its position
 
 
 @dataclass
@@ -85,7 +96,7 @@ class _Snapshot:
     optimizer: dict[str, Any]
     scale: torch.Tensor  # device copy: taking a snapshot reads nothing on the host
     master: list[torch.Tensor] | None
-    progress: dict[str, Any] | None
+    progress: Any
 
 
 @dataclass
@@ -112,8 +123,10 @@ class Protection:
         config: the guard's rules and knobs.
         emit: ``emit(step, kind, message, **extra)`` records an event (events.jsonl, display);
             by default events are only kept in :attr:`events`.
-        progress: what a rollback rewinds besides weights, optimizer state and scale (the
-            owner's step counter, data position, RNG); None rewinds only those three.
+        progress_state: ``progress_state()`` returns the loop's own position (step counter,
+            data position, RNG ...) when a snapshot is taken; a rollback or fallback hands it
+            back in the :class:`Rewind` it returns, and the loop restores it. None: the loop
+            keeps its position (a rollback then restores weights, optimizer state and scale).
         forward: ``forward(model, batch) -> loss`` for the forward-overflow replay (run under
             the precision's autocast); default: ``model(**batch)`` and its ``.loss``.
         rebuild_optimizer: ``rebuild(params) -> optimizer`` used by a precision fallback when the
@@ -134,7 +147,7 @@ class Protection:
         *,
         config: GuardConfig | None = None,
         emit: Emit | None = None,
-        progress: Progress | None = None,
+        progress_state: Callable[[], Any] | None = None,
         forward: ForwardLoss | None = None,
         rebuild_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         dist: Any = None,
@@ -147,7 +160,7 @@ class Protection:
         self.guard = OverflowGuard(self.config.rules)
         self.events: list[dict[str, Any]] = []
         self._emit_fn = emit
-        self.progress = progress
+        self.progress_state = progress_state
         self.forward = forward or default_forward
         self.rebuild_optimizer = rebuild_optimizer
         self.dist = dist
@@ -199,25 +212,26 @@ class Protection:
         *,
         skipped: bool | None,
         batches: list[dict[str, torch.Tensor]] | None = None,
-    ) -> None:
+    ) -> Rewind | None:
         """Call once per optimizer step, after ``scaler.update()``, with the step number and
         the skip flag as the scaler read it (``precision.optimizer_step``'s return value; None
         when nothing was read, i.e. a fused optimizer). ``batches``: the step's micro-batches,
-        for the forward-overflow replay. No host read on a clean step (see the module
-        docstring for the others). May raise :class:`TrainAborted`."""
+        for the forward-overflow replay. Returns the :class:`Rewind` of a rollback or fallback
+        decided here (the loop restores its position from it), else None. No host read on a
+        clean step (see the module docstring for the others). May raise :class:`TrainAborted`."""
         self._step = step
         if not self.enabled:
-            return
+            return None
         if skipped is None:  # decided at the next read
             self._pending.append(_Pending(self.scaler.num_steps, step, batches))
-            return
+            return None
         if not skipped:
             self._observe(step, skipped=False)
             self._maybe_snapshot(step)
-            return
+            return None
         # one read for the skipped step: its kind and the scale after it, with attribution
         names, kind, scale_after = self._attribute()
-        self._observe(
+        return self._observe(
             step,
             skipped=True,
             forward=kind == 2,
@@ -238,12 +252,13 @@ class Protection:
         scale = self.scaler.device_counters()["scale"].double().reshape(1)
         return torch.cat([scale, rows])
 
-    def on_read(self, values: list[float]) -> None:
+    def on_read(self, values: list[float]) -> Rewind | None:
         """Take the waiting decisions from the values of :meth:`pending_reads` (read by the
-        caller). May restore a snapshot or switch precision; may raise :class:`TrainAborted`."""
+        caller). May restore a snapshot or switch precision (then returns the :class:`Rewind`:
+        the steps run after the decision are discarded); may raise :class:`TrainAborted`."""
         pending, self._pending = self._pending, []
         if not pending:
-            return
+            return None
         scale_now, flat = values[0], values[1:]
         rows = [flat[i : i + 3] for i in range(0, len(flat), 3)]
         by_update = {int(r[0]): r for r in rows}
@@ -262,7 +277,7 @@ class Protection:
             kind = int(row[2])
             nxt = by_update.get(p.update + 1)
             scale_after = nxt[1] if nxt is not None else scale_now
-            action = self._observe(
+            rewind = self._observe(
                 p.step,
                 skipped=kind > 0,
                 forward=kind == 2,
@@ -272,21 +287,22 @@ class Protection:
                 late_by=pending[-1].step - p.step,
                 ran_after=len(pending) - i - 1,
             )
-            if action in (Action.ROLLBACK, Action.FALLBACK):
-                return  # the steps run after the decision are discarded
+            if rewind is not None:
+                return rewind  # the steps run after the decision are discarded
         # a snapshot only where the state is known to be good: a read point after a clean step,
         # at least snapshot_every steps after the previous snapshot
         last = pending[-1].step
         since = last - self.snapshot.step if self.snapshot is not None else last
         if self.snapshots and self.guard.consecutive == 0 and since >= self.config.snapshot_every:
             self.take_snapshot(last)
+        return None
 
-    def sync(self) -> None:
+    def sync(self) -> Rewind | None:
         """Read what :meth:`pending_reads` needs and take the waiting decisions (for loops that
-        have no read point of their own). **Syncs** once when decisions wait."""
+        have no read point of their own); returns :meth:`on_read`'s :class:`Rewind`. **Syncs**
+        once when decisions wait."""
         t = self.pending_reads()
-        if t is not None:
-            self.on_read(t.tolist())
+        return self.on_read(t.tolist()) if t is not None else None
 
     # ------------------------------------------------------------------ fp8 layers
     def after_log(self, step: int) -> None:
@@ -392,7 +408,7 @@ class Protection:
         batches: list[dict[str, torch.Tensor]] | None = None,
         late_by: int | None = None,
         ran_after: int = 0,
-    ) -> Action:
+    ) -> Rewind | None:
         at_floor = skipped and self.scaler.is_enabled() and scale_after <= self.scaler.min_scale
         if skipped:
             self._overflow_event(step, forward, scale_after, names, late_by)
@@ -410,8 +426,7 @@ class Protection:
             precision=self.precision.name,
             bf16_ok=bf16_supported(self._device()),
         )
-        self._apply(decision, step, scale_after, ran_after)
-        return decision.action
+        return self._apply(decision, step, scale_after, ran_after)
 
     def _overflow_event(
         self,
@@ -487,14 +502,17 @@ class Protection:
             )
 
     # ------------------------------------------------------------------ acting
-    def _apply(self, decision: Decision, step: int, scale_after: float, ran_after: int = 0) -> None:
+    def _apply(
+        self, decision: Decision, step: int, scale_after: float, ran_after: int = 0
+    ) -> Rewind | None:
         """Carry out a decision taken for ``step``; ``ran_after``: steps that already ran after it
-        (fused path), which a rollback or fallback discards."""
+        (fused path), which a rollback or fallback discards. Returns the :class:`Rewind` of a
+        rollback or fallback."""
         if decision.action is Action.CONTINUE:
-            return
+            return None
         if decision.action is Action.WARN:
             self.emit(step, "warning", decision.reason)
-            return
+            return None
         if decision.action is Action.ABORT:
             self.emit(step, "abort", decision.reason)
             raise TrainAborted(decision.reason)
@@ -512,6 +530,7 @@ class Protection:
         if snap is not None:
             self.restore(snap)  # the scaler keeps its counters: the skips happened
         to_step = snap.step if snap is not None else step
+        progress = snap.progress if snap is not None else None
         late = {"discarded_steps": ran_after} if ran_after else {}
         snap_scale = float(snap.scale.item()) if snap is not None else scale_after
         if decision.action is Action.ROLLBACK:
@@ -530,14 +549,14 @@ class Protection:
                 from_step=step,
                 **late,
             )
-            return
+            return Rewind("rollback", step, to_step, progress, ran_after)
         old = self.precision.name
         self.switch_precision(decision.precision, scale=snap_scale)
         self.guard.after_fallback()
         self.snapshot = None
         self._step = to_step
-        if self.snapshots:
-            self.take_snapshot(to_step)
+        if self.snapshots:  # the restored state, with the position the loop is handed back
+            self.take_snapshot(to_step, progress=progress)
         self.emit(
             to_step,
             "fallback",
@@ -548,14 +567,19 @@ class Protection:
             from_step=step,
             **late,
         )
+        return Rewind("fallback", step, to_step, progress, ran_after)
 
     def _can_switch(self) -> bool:
         if self.fallback_unavailable is not None:
             return False
         return self.precision.master is None or self.rebuild_optimizer is not None
 
-    def take_snapshot(self, step: int) -> None:
-        """Keep the current (good) state in memory for rollback. Device copies, no host read."""
+    def take_snapshot(self, step: int, *, progress: Any = _ASK) -> None:
+        """Keep the current (good) state in memory for rollback, with the loop's position
+        (``progress``; by default what ``progress_state()`` returns now). Device copies, no host
+        read."""
+        if progress is _ASK:
+            progress = self.progress_state() if self.progress_state is not None else None
         self.snapshot = _Snapshot(
             step=step,
             model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -566,7 +590,7 @@ class Protection:
             master=[m.detach().clone() for m in self.precision.master.params]
             if self.precision.master is not None
             else None,
-            progress=self.progress.state_dict() if self.progress is not None else None,
+            progress=progress,
         )
         self._clean_since_snapshot = 0
 
@@ -579,43 +603,21 @@ class Protection:
             self.take_snapshot(step)
 
     def restore(self, snap: _Snapshot) -> None:
-        """Put the snapshot's weights, masters, optimizer state and progress back (the scale is
-        the caller's decision). No host read."""
+        """Put the snapshot's weights, masters and optimizer state back (the scale is the
+        caller's decision, the loop's position the loop's: see :class:`Rewind`). No host read."""
         self.model.load_state_dict(snap.model)
         if snap.master is not None and self.precision.master is not None:
             with torch.no_grad():
                 for m, v in zip(self.precision.master.params, snap.master, strict=True):
                     m.copy_(v)
         self.optimizer.load_state_dict(_clone_state(snap.optimizer))
-        if snap.progress is not None and self.progress is not None:
-            self.progress.load_state_dict(snap.progress)
 
     def switch_precision(self, name: str, *, scale: float | None = None) -> None:
         """Move the run to precision ``name`` in place, keeping weights, optimizer state,
         exempted modules and the scaler's counters (the scale restarts at ``scale`` when the new
         precision scales the loss)."""
-        old = self.precision
         opt_state = self.optimizer.state_dict()
-        counters = old.scaler.state_dict()
-        exempted = old.release(self.model)
-        new = make_precision(
-            name,
-            fp32_modules=old.fp32_modules,
-            device_type=old.device_type,
-            scaler=LossScaler(
-                enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
-            ),
-            options=old.options,
-        )
-        new.prepare(self.model)
-        for n in exempted:
-            if n not in new.exempted:
-                new.exempt(self.model, n)
-        if new.scaler.is_enabled() and scale is not None and math.isfinite(scale):
-            counters["scale"] = scale
-        new.scaler.load_state_dict(counters)
-        new.scaler.reduce_flags = old.scaler.reduce_flags
-        new.scaler.init_state(self._device())
+        new = switch_precision(self.precision, name, self.model, device=self._device(), scale=scale)
         params = new.optimizer_params(self.model)
         if self.rebuild_optimizer is not None:
             self.optimizer = self.rebuild_optimizer(params)

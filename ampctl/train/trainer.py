@@ -2,11 +2,12 @@
 
 One optimizer step, then protection, then logging, then checkpointing -- each one call::
 
-    while step < max_steps:
-        out = train_step()                  # autocast forward, scaled backward (x grad_accum),
-                                            # fused unscale + check, clip, step or skip, update
-        protection.after_step(step, ...)    # guard: rollback | fallback | promotion | abort
-        log_step(out)                       # every log_every steps: one host read
+    while step < max_steps:                 # step_once():
+        out = train_step()                  #   autocast forward, scaled backward (x grad_accum),
+                                            #   fused unscale + check, clip, step or skip, update
+        rewind = protection.after_step(...) #   guard: rollback | fallback | promotion | abort
+        if rewind: apply_rewind(rewind)     #   a rollback hands the loop its position back
+        elif log: log_step(out)             #   every log_every steps: one host read
         save()                              # every ckpt_every steps: atomic checkpoint
 
 With ``trainer.compile=true`` the forward runs through ``torch.compile`` of the model; the
@@ -24,7 +25,6 @@ path reads once more (attribution); clean steps pay nothing more.
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
 import time
 from collections.abc import Callable
@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ampctl.amp import make_precision, match_modules
+from ampctl.amp import make_precision
 from ampctl.amp.actgrad import ActGradProbe
 from ampctl.amp.stats import grad_stats
-from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, sampling
+from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures, sampling
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import extract_loss
-from ampctl.protect.protection import Protection, TrainAborted
+from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.records import metrics_row, run_summary, write_config
 from ampctl.runlog import RunLayout, branch_event, prepare_resume
 from ampctl.train.builders import (
     BuildError,
@@ -99,29 +100,6 @@ class StepOutput:
     stats: dict[str, torch.Tensor] | None  # gradient statistics (log steps)
 
 
-class _Progress:
-    """What a rollback rewinds besides weights, optimizer state and scale."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.tr = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        a = self.tr.applied
-        return {
-            "step": self.tr.step,
-            "applied": a.clone() if isinstance(a, torch.Tensor) else a,
-            "data": self.tr.data.state_dict(),
-            "rng": rng_state(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.tr.step = state["step"]
-        a = state["applied"]
-        self.tr.applied = a.clone() if isinstance(a, torch.Tensor) else a
-        self.tr.data.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-
-
 class Trainer:
     """Build everything from a config and run the protected loop.
 
@@ -176,7 +154,7 @@ class Trainer:
             precision,
             config=cfg.guard,
             emit=self.log.event,
-            progress=_Progress(self),
+            progress_state=self._position,
             forward=self._forward_loss,
             rebuild_optimizer=lambda params: build_optimizer(cfg.optim, params, self.device),
             dist=self.ctx,
@@ -328,11 +306,7 @@ class Trainer:
             try:
                 self.protection.start(self.step)
                 while self.step < self.end:
-                    log = self._is_due(self.cfg.trainer.log_every)
-                    out = self.train_step(log)
-                    self.protection.after_step(self.step, skipped=out.skipped, batches=out.batches)
-                    if log:
-                        self.log_step(out)
+                    self.step_once()
                     ckpt = self.save() if self._is_due(self.cfg.trainer.ckpt_every, 0) else None
                     if self._stop_signal is not None and (
                         not self.ctx.enabled or self._stop_agreed
@@ -367,6 +341,18 @@ class Trainer:
         return s % every == 0 or s == self.end
 
     # ------------------------------------------------------------------ one step
+    def step_once(self) -> dict[str, Any] | None:
+        """One turn of the loop: an optimizer step, the guard's decision on it (a rollback puts
+        the loop's position back: :meth:`apply_rewind`), and the log step when one is due.
+        Returns the metrics row written, if any."""
+        log = self._is_due(self.cfg.trainer.log_every)
+        out = self.train_step(log)
+        rewind = self.protection.after_step(self.step, skipped=out.skipped, batches=out.batches)
+        if rewind is not None:
+            self.apply_rewind(rewind)
+            return None
+        return self.log_step(out) if log else None
+
     def train_step(self, log: bool = False) -> StepOutput:
         """One optimizer step (with accumulation). One host read on the standard path (the
         skip flag), none with a fused optimizer."""
@@ -440,13 +426,23 @@ class Trainer:
         if vals["stop"] > 0 and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         self._stop_agreed = vals["stop"] > 0
-        rewound_from = self.step
-        if "guard" in vals:
-            self.protection.on_read(vals["guard"])
         window, self.window = self.window, LogWindow()
-        if self.step != rewound_from:  # a late rollback discarded the interval's steps
+        rewind = self.protection.on_read(vals["guard"]) if "guard" in vals else None
+        if rewind is not None:  # a late rollback discarded the interval's steps
+            self.apply_rewind(rewind)
             return None
-        row = self._row(vals, window, out.stats is not None, probes)
+        row = metrics_row(
+            vals,
+            step=self.step,
+            scaler=self.scaler,
+            precision=self.precision.name,
+            overflow_window=self.cfg.trainer.overflow_window,
+            max_steps=self.cfg.trainer.max_steps,
+            tokens=window.tokens,
+            seconds=time.perf_counter() - window.t0,
+            elapsed_s=self._wall(),
+            probes=probes,
+        )
         self.last_metrics = row
         self.log.metrics(row)
         self.protection.after_log(self.step)  # fp8 layer demotions from the probe's figures
@@ -454,65 +450,44 @@ class Trainer:
 
     def _figures(self, stats: dict[str, torch.Tensor] | None, probes: list[Probe]) -> DeviceFigures:
         fig = DeviceFigures(self.device)
-        w = self.window
-        fig.add("loss_sum", w.loss_sum if w.loss_sum is not None else 0.0, "sum")
-        fig.add("loss_n", w.loss_n if w.loss_n is not None else 0.0, "sum")
         fig.add("stop", float(self._stop_signal is not None), "max")
-        if stats is not None:
+        gather_log_figures(
+            fig,
+            window=self.window,
+            stats=stats,
+            scaler=self.scaler,
+            overflow_window=self.cfg.trainer.overflow_window,
+            lr=self.optimizer.param_groups[0]["lr"],
+            probes=probes,
+            pending=self.protection.pending_reads(),
             # FSDP's gradients are sharded: combine over ranks; DDP's are already all-reduced
-            sharded = self.ctx.enabled and self.ctx.strategy == "fsdp"
-            s, m = ("sum", "max") if sharded else (None, None)
-            fig.add("grad_norm_sq", stats["grad_norm"] ** 2, s)
-            fig.add("grad_underflow", stats["grad_underflow"], s)
-            fig.add("grad_elems", stats["grad_elems"], s)
-            fig.add("nonfinite_grads", stats["nonfinite_grads"], s)
-            fig.add("grad_amax", stats["grad_amax"], m)
-        for k, v in self.scaler.device_counters().items():
-            fig.add(k, v)
-        fig.add("recent_skips", self.scaler.recent_skips(self.cfg.trainer.overflow_window))
-        fig.add("lr", self.optimizer.param_groups[0]["lr"])
-        for probe in probes:
-            probe.figures(fig)
-        pending = self.protection.pending_reads()
-        if pending is not None:
-            fig.add("guard", pending, vector=True)
+            sharded=self.ctx.enabled and self.ctx.strategy == "fsdp",
+        )
         return fig
 
-    def _row(
-        self, v: dict[str, Any], window: LogWindow, with_stats: bool, probes: list[Probe]
-    ) -> dict[str, Any]:
-        dt = max(time.perf_counter() - window.t0, 1e-9)
-        n = self.scaler.num_steps
-        row = {
+    # ------------------------------------------------------------------ rollback
+    def _position(self) -> dict[str, Any]:
+        """The loop's own position, kept with each snapshot (the protection's progress_state):
+        the step, the updates applied (the lr schedule), the data position and the RNG."""
+        a = self.applied
+        return {
             "step": self.step,
-            "loss": v["loss_sum"] / v["loss_n"] if v["loss_n"] > 0 else float("nan"),
-            "scale": v["scale"] if self.scaler.is_enabled() else 1.0,
-            "skipped": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "overflow_rate": v["recent_skips"] / max(min(self.cfg.trainer.overflow_window, n), 1),
-            "lr": v["lr"],
-            "precision": self.precision.name,
-            "tokens_per_s": window.tokens / dt,
-            "elapsed_s": self._wall(),
-            "max_steps": self.cfg.trainer.max_steps,
-            "grad_norm": None,
-            "grad_amax": None,
-            "grad_underflow_frac": None,
-            "nonfinite_grads": None,
-            "act_grad_underflow_frac": None,
-            "act_grad_zero_frac": None,
+            "applied": a.clone() if isinstance(a, torch.Tensor) else a,
+            "data": self.data.state_dict(),
+            "rng": rng_state(),
         }
-        for probe in probes:
-            row.update(probe.row(v))
-        if with_stats:
-            row.update(
-                grad_norm=math.sqrt(max(v["grad_norm_sq"], 0.0)),
-                grad_amax=v["grad_amax"],
-                grad_underflow_frac=v["grad_underflow"] / max(v["grad_elems"], 1),
-                nonfinite_grads=int(v["nonfinite_grads"]),
-            )
-        return row
+
+    def apply_rewind(self, rewind: Rewind) -> None:
+        """Put the position of a rollback's (or fallback's) snapshot back; the interval's window
+        restarts (its steps are run again)."""
+        pos = rewind.progress
+        if pos is not None:
+            self.step = pos["step"]
+            a = pos["applied"]
+            self.applied = a.clone() if isinstance(a, torch.Tensor) else a
+            self.data.load_state_dict(pos["data"])
+            set_rng_state(pos["rng"])
+        self.window = LogWindow()
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
@@ -637,27 +612,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the end
     def _summary(self, status: str) -> dict[str, Any]:
-        st = self.scaler.stats()
-        wall = self._wall()
-        configured = set(match_modules(self.model, self.cfg.precision.fp32_modules))
-        return {
-            "status": status,
-            "final_loss": self.last_metrics.get("loss"),
-            "steps": self.step,
-            "max_steps": self.cfg.trainer.max_steps,
-            "skipped": st["skipped_total"],
-            "forward_overflows": st["forward_overflows"],
-            "overflow_rate": st["skipped_total"] / max(st["steps"], 1),
-            "final_scale": st["scale"],
-            "precision": self.precision.name,
-            "promoted_modules": [m for m in self.precision.exempted if m not in configured],
-            "fp32_modules": list(self.precision.exempted),
-            **self.precision.summary(self.model),
-            "events": self.log.event_counts(),
-            "wall_time_s": wall,
-            "tokens_per_s": self._tokens_total / max(wall, 1e-9),
-            "run_dir": str(self.run_dir),
-        }
+        """summary.json (:func:`~ampctl.protect.records.run_summary`). **Syncs** once."""
+        return run_summary(
+            status,
+            framework="ampctl",
+            model=self.model,
+            precision=self.precision,
+            final_loss=self.last_metrics.get("loss"),
+            steps=self.step,
+            max_steps=self.cfg.trainer.max_steps,
+            events=self.log.event_counts(),
+            wall_s=self._wall(),
+            tokens=self._tokens_total,
+            run_dir=self.run_dir,
+        )
 
 
 class _Signals:
@@ -697,7 +665,5 @@ def train(
     run_dir = Path(run_dir)
     ck = load_checkpoint(resume) if resume is not None else None
     trainer = Trainer(cfg, run_dir, display=display, resume=ck, fault=fault)
-    from ampctl.config import to_yaml
-
-    RunLayout(run_dir).config.write_text(to_yaml(cfg))
+    write_config(run_dir, cfg.to_dict())
     return trainer.run()

@@ -102,7 +102,7 @@ class Loop:
             prec,
             config=GuardConfig(**guard),
             emit=self.emitted.append,
-            progress=self.progress,
+            progress_state=self.progress.state_dict if self.progress is not None else None,
             **(protection or {}),
         )
         if start:
@@ -128,8 +128,20 @@ class Loop:
             params[name].grad.view(-1)[0] = INF
         prot.precision.unscale_(prot.optimizer)
         skipped = prot.precision.optimizer_step(prot.optimizer)
-        prot.after_step(self.n, skipped=skipped, batches=[BATCH] if batches is None else batches)
+        self.apply(
+            prot.after_step(
+                self.n, skipped=skipped, batches=[BATCH] if batches is None else batches
+            )
+        )
         return skipped
+
+    def apply(self, rewind) -> None:
+        """The loop owns its position: a rollback hands it back and the loop restores it."""
+        if rewind is not None and self.progress is not None and rewind.progress is not None:
+            self.progress.load_state_dict(rewind.progress)
+
+    def sync(self):
+        self.apply(self.prot.sync())
 
     def kinds(self) -> list[str]:
         return [e["kind"] for e in self.prot.events]
@@ -270,7 +282,7 @@ def test_events_are_kept_without_an_emit_function():
     assert [_strip(e) for e in prot.events] == [
         {"step": 3, "kind": "warning", "message": "hello", "x": 1}
     ]
-    assert prot.config == GuardConfig() and prot.progress is None
+    assert prot.config == GuardConfig() and prot.progress_state is None
 
 
 # ------------------------------------------------------------------ rollback
@@ -648,7 +660,7 @@ class _Gathers:
 def test_fused_path_decides_at_the_read_with_the_same_steps():
     loop = Loop(fused=True, snapshot_every=1, rollback_after=3)
     assert loop.prot.pending_reads() is None
-    loop.prot.sync()  # nothing waits: nothing to read
+    loop.sync()  # nothing waits: nothing to read
     loop.step()
     assert loop.step(plant=("head.weight",)) is None
     loop.step(plant=("head.weight",))
@@ -665,7 +677,7 @@ def test_fused_path_decides_at_the_read_with_the_same_steps():
         *(4.0, 256.0, 1.0),
         *(5.0, 128.0, 0.0),
     ]
-    loop.prot.on_read(reads.tolist())
+    loop.apply(loop.prot.on_read(reads.tolist()))
     assert loop.kinds() == ["overflow", "overflow", "overflow", "rollback"]
     first = loop.prot.events[0]
     assert _strip(first) == {
@@ -697,10 +709,10 @@ def test_fused_path_snapshots_only_at_a_clean_read_far_enough_apart():
     loop = Loop(fused=True, snapshot_every=3)
     loop.step()
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 0  # 2 steps since the last one
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 3  # exactly 3
     loop.step()
     loop.step()
@@ -709,11 +721,11 @@ def test_fused_path_snapshots_only_at_a_clean_read_far_enough_apart():
         *(4.0, 1024.0, 0.0),
         *(5.0, 1024.0, 0.0),
     ]  # only the steps since the last read
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 3  # 2 steps since the snapshot
     loop.step()
     loop.step(plant=("head.weight",))
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 3  # the last step overflowed
     assert loop.kinds() == ["overflow"]
     assert loop.prot.events[0]["scale"] == 512.0  # the scale now, after the last step
@@ -724,10 +736,10 @@ def test_fused_path_without_start_snapshots_at_the_first_clean_read():
     loop = Loop(fused=True, snapshot_every=2)
     loop.prot.snapshot = None  # as if start() had not been called
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot is None  # 1 step: not yet
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 2
 
 
@@ -737,7 +749,7 @@ def test_fused_path_warns_when_the_history_is_shorter_than_the_wait():
     loop.step()
     loop.step()
     loop.step(plant=("head.weight",))
-    loop.prot.sync()
+    loop.sync()
     assert [_strip(e)["kind"] for e in loop.prot.events] == ["warning", "overflow"]
     assert _strip(loop.prot.events[0]) == {
         "step": 4,
@@ -756,7 +768,7 @@ def test_fused_path_forward_overflow_replays_on_the_later_weights():
     loop.model.amp.boost = 1.0
     loop.step()
     loop.model.amp.boost = 1000.0
-    loop.prot.sync()
+    loop.sync()
     assert loop.kinds() == ["overflow", "promotion"]
     assert loop.prot.events[0]["scale"] == 1024.0
     assert loop.prot.events[1]["message"] == (
@@ -767,7 +779,7 @@ def test_fused_path_forward_overflow_replays_on_the_later_weights():
     loop.model.amp.flaky = 1
     loop.step()
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.events[-1]["message"].endswith(
         "data-dependent) (replayed on the weights of step 2)"
     )
@@ -893,7 +905,7 @@ def test_a_device_without_bf16_falls_back_to_fp32(monkeypatch):
 def test_fused_path_without_attribution_says_nothing_about_it():
     loop = Loop(fused=True, attribution=False)
     loop.step(plant=("head.weight",))
-    loop.prot.sync()
+    loop.sync()
     assert _strip(loop.prot.events[0]) == {
         "step": 1,
         "kind": "overflow",
@@ -908,7 +920,7 @@ def test_fused_path_fallback_discards_the_steps_run_after_it():
     loop.step(plant=("head.weight",))
     loop.step()
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     ev = loop.prot.events[-1]
     assert (ev["kind"], ev["to_step"], ev["from_step"], ev["discarded_steps"]) == (
         "fallback",

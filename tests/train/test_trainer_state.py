@@ -63,10 +63,10 @@ def test_rollback_restores_exactly_the_snapshot(fast_cfg, precision):
     masters = {}
     while tr.step < 15:
         out = tr.train_step(False)
-        before = tr.step
         scale_after = tr.scaler.get_scale()
-        tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-        if tr.step != before:  # rolled back
+        rewind = tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
+        if rewind is not None:  # rolled back: the loop puts its position back
+            tr.apply_rewind(rewind)
             break
         seen[tr.step] = _state(tr)
         if tr.precision.master is not None:
