@@ -17,7 +17,7 @@ import typer
 app = typer.Typer(
     name="ampctl",
     help=(
-        "Protected mixed-precision (fp16/bf16) training: dynamic loss scaling, fused overflow "
+        "Protected mixed-precision (fp16/bf16/fp8) training: dynamic loss scaling, fused overflow "
         "detection, skipped steps that leave weights untouched, rollback and precision fallback, "
         "and a live view of scale, overflow rate and gradient health."
     ),
@@ -27,11 +27,21 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-OVERRIDES_HELP = (
-    "Hydra overrides: key=value, +new.key=value, ~key; conf=NAME picks a preset from conf/ "
-    "(config, bert_base, bert_large, gpt2_tiny, gpt2_small, llama_tiny, llama_1b); groups: "
-    "model=, data=, optim=, precision=, scaler=, guard=."
-)
+
+def _overrides_help() -> str:
+    """The overrides' help, with the presets and groups that ship in conf/ (read from disk, so
+    the list stays true)."""
+    from ampctl.compose import available_presets, group_names
+
+    return (
+        "Hydra overrides: key=value, +new.key=value, ~key; conf=NAME picks a preset from conf/ "
+        f"({', '.join(available_presets())}); groups: "
+        + ", ".join(f"{g}=" for g in group_names())
+        + "."
+    )
+
+
+OVERRIDES_HELP = _overrides_help()
 
 _DEBUG = {"on": False}
 
@@ -131,8 +141,9 @@ def sweep_scale(
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Hydra overrides, with sweeps: scaler.init_scale=1024,4096,65536 scaler.growth_interval=range(100,2001,400) "
-            "conf=bert_base. Default grid: init_scale {2^10,2^13,2^16} x growth_interval {100,500,2000}.",
+            help="Hydra overrides, with sweeps: scaler.init_scale=1024,4096,65536 "
+            "scaler.growth_interval=range(100,2001,400). Default grid: init_scale "
+            "{2^10,2^13,2^16} x growth_interval {100,500,2000}. " + OVERRIDES_HELP,
             show_default=False,
         ),
     ] = None,
@@ -279,7 +290,7 @@ def diagnose(
         str | None,
         typer.Option(
             "--precision",
-            help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure.",
+            help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure, fp8.",
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
@@ -363,8 +374,10 @@ def bench(
         Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
     ] = None,
 ) -> None:
-    """Measure what protection costs: overhead vs a bare GradScaler loop, fused vs per-parameter
-    overflow check, host reads per step, and a precision table (step time, tokens/s, memory)."""
+    """Measure what protection costs, as ratios against a bare GradScaler loop.
+
+    Overhead per step and in total, fused vs per-parameter overflow check, host reads per step,
+    and a precision table (step time, tokens/s, memory)."""
     from ampctl.commands.bench import run_bench
 
     _at_least("--steps", steps, 2)
@@ -395,8 +408,10 @@ def plot(
         ),
     ] = None,
 ) -> None:
-    """Draw a run (loss, scale with skipped steps, overflow rate, grad norm and underflow, guard
-    events) or a sweep (heat map and scale trajectories) into a PNG. Needs matplotlib."""
+    """Draw a run or a sweep into a PNG (needs matplotlib).
+
+    A run: loss, scale with skipped steps, overflow rate, grad norm and underflow, guard events.
+    A sweep: heat map and scale trajectories."""
     from ampctl.commands.plot import run_plot
 
     try:

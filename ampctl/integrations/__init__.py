@@ -18,6 +18,6 @@ to install it when it is missing.
 
 from __future__ import annotations
 
-from .run import IntegrationError, ProtectedRun, require
+from .protected_run import IntegrationError, ProtectedRun, require
 
 __all__ = ["IntegrationError", "ProtectedRun", "require"]

@@ -48,7 +48,7 @@ import torch
 
 from ampctl.amp import LossScaler
 
-from .run import IntegrationError, ProtectedRun, require, share_flags
+from .protected_run import IntegrationError, ProtectedRun, require, share_flags
 
 require("accelerate", "accelerate", "ampctl.integrations.accelerate")
 

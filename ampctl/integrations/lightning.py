@@ -52,7 +52,7 @@ from ampctl.protect.protection import TrainAborted
 from ampctl.protect.settings import GuardConfig
 from ampctl.protect.switch import switch_precision
 
-from .run import IntegrationError, ProtectedRun, require, share_flags
+from .protected_run import IntegrationError, ProtectedRun, require, share_flags
 
 require("lightning", "lightning", "ampctl.integrations.lightning")
 

@@ -45,7 +45,7 @@ from ampctl.amp import LossScaler
 from ampctl.protect.protection import TrainAborted
 from ampctl.protect.settings import GuardConfig
 
-from .run import IntegrationError, ProtectedRun, require
+from .protected_run import IntegrationError, ProtectedRun, require
 
 require("transformers", "transformers", "ampctl.integrations.transformers")
 

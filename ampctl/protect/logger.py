@@ -1,9 +1,9 @@
 """The run's loggers behind one call each (torchtitan's metrics logger container): a metrics
-row, an event or the summary goes to the run folder, the display and TensorBoard at once.
+row or an event goes to the run folder (metrics.jsonl, events.jsonl), the display and TensorBoard
+at once; the summary goes to summary.json (the loop shows it on the display itself).
 
-Only the main rank writes; on other ranks every call is a no-op. A failing display or
-TensorBoard write never stops training (the display swallows its own errors; a TensorBoard
-failure is turned into one warning event).
+Only the main rank writes; on other ranks every call is a no-op. A failing display never stops
+training (the display swallows its own errors).
 """
 
 from __future__ import annotations

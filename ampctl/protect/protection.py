@@ -108,7 +108,7 @@ class _Pending:
     batches: list[dict[str, torch.Tensor]] | None
 
 
-Emit = Callable[..., None]  # emit(step, kind, message, **extra)
+Emit = Callable[[dict[str, Any]], None]  # emit(event): records one event dict
 
 
 class Protection:
@@ -116,13 +116,15 @@ class Protection:
     by the overflow guard (see the module docstring).
 
     Args:
-        model: the model the forward runs (unwrapped: its ``state_dict`` is what a rollback
-            restores; under DDP/FSDP pass the inner module and the wrapper as ``forward_model``).
+        model: the model whose weights a rollback restores and whose gradients attribution
+            names (unwrapped: under DDP/FSDP the inner module; the replays run its forward
+            through ``forward``).
         optimizer: the optimizer, built over ``precision.optimizer_params(model)``.
         precision: the precision plugin, with its scaler.
         config: the guard's rules and knobs.
-        emit: ``emit(step, kind, message, **extra)`` records an event (events.jsonl, display);
-            by default events are only kept in :attr:`events`.
+        emit: ``emit(event)`` receives each event, a dict with ``step``, ``kind``, ``message``,
+            ``time`` and the kind's own keys (the loop writes it to events.jsonl and the
+            display); every event is also kept in :attr:`events`.
         progress_state: ``progress_state()`` returns the loop's own position (step counter,
             data position, RNG ...) when a snapshot is taken; a rollback or fallback hands it
             back in the :class:`Rewind` it returns, and the loop restores it. None: the loop

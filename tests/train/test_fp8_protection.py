@@ -74,13 +74,13 @@ def test_host_reads_per_step_under_fp8(fast_cfg, monkeypatch, fused, recipe, exp
     import ampctl.amp.precision.fp8 as plugin
 
     opened = []
-    real_probe = plugin.fp8.probe
+    real_probe = plugin.fp8.record_casts
 
     def counting_probe(model, *, enabled=True):
         opened.append(tr.step + 1)
         return real_probe(model, enabled=enabled)
 
-    monkeypatch.setattr(plugin.fp8, "probe", counting_probe)
+    monkeypatch.setattr(plugin.fp8, "record_casts", counting_probe)
     tr = _trainer(
         fast_cfg,
         f"reads{fused}",

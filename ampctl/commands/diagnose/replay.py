@@ -256,13 +256,13 @@ def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> dict
 
 @contextlib.contextmanager
 def _fp8_probe(inp: ReplayInput, policy: PrecisionPolicy) -> Iterator[Any]:
-    """:func:`ampctl.amp.fp8.probe` over the fp8 pass (None for other precisions)."""
+    """:func:`ampctl.amp.fp8.record_casts` over the fp8 pass (None for other precisions)."""
     if policy.name != "fp8":
         yield None
         return
     from ampctl.amp import fp8
 
-    with fp8.probe(inp.model) as p:
+    with fp8.record_casts(inp.model) as p:
         yield p
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from ampctl.amp import LossScaler
 from ampctl.cli import app
 from ampctl.integrations import ProtectedRun
-from ampctl.integrations.run import TrainAborted
+from ampctl.integrations.protected_run import TrainAborted
 from ampctl.runlog import RunLayout
 from ampctl.train.checkpoint import save_checkpoint
 from ampctl.train.data import SyntheticMLM
