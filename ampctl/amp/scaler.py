@@ -29,7 +29,8 @@ What it adds to GradScaler:
   (update, scale used, kind) history -- kind 0 clean, 1 gradient overflow, 2 forward overflow --
   all in ``state_dict()``.
 
-A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true and the
+A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true (and so is
+``isinstance(scaler, torch.cuda.amp.GradScaler)``, the deprecated class older code checks) and the
 GradScaler internals training code reaches into act on the live state (:mod:`.scaler_compat`).
 
 Bit for bit: ``LossScaler.like_gradscaler(device, init_scale, growth_factor, backoff_factor,
@@ -108,7 +109,9 @@ class ScalerConfig:
             raise FieldError(type(self).__name__, e.field, e.value, e.allowed) from None
 
 
-class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
+# torch.cuda.amp.GradScaler is torch.amp.GradScaler with a deprecated __init__ (never called here):
+# deriving from it makes isinstance checks against either class true.
+class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     """Dynamic loss scaler and ``torch.amp.GradScaler`` (see the module docstring).
 
     Args:
@@ -192,15 +195,17 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             "history": torch.zeros(0, 3, dtype=torch.float64),
         }
         self._num_updates = 0
-        self._last_read: bool | None = None
+        self._last_skip_read: bool | None = None  # the last recorded step's _skip_read
         self._t: dict[str, torch.Tensor] | None = None  # device state
         self._loss_nonfinite: torch.Tensor | None = None  # this step, OR over scale() calls
+        self._loss_sum: torch.Tensor | None = None  # this step: the losses scale() was given
+        self._last_loss: torch.Tensor | None = None  # the last recorded step's _loss_sum
         # GradScaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {...}},
         # plus "flags" once step() has decided.
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_opt_state)
-        # What step() read on the host for the last step: True/False (skipped or not), or None
-        # when no read was made (fused optimizer). Free to use: the read already happened.
-        self.last_skip_read: bool | None = None
+        # What step() read on the host in this iteration: True/False (skipped or not), or None
+        # when no read was made (fused optimizer); update() hands it to last_skip_read.
+        self._skip_read: bool | None = None
         # Distributed hook: given this step's flags (float32 [grad overflow, forward overflow] on
         # the device), return the flags all ranks agree on (an all-reduce MAX). It runs inside
         # step(), before the one host read, so every rank skips the same steps and keeps the
@@ -324,6 +329,8 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             return outputs
         if isinstance(outputs, torch.Tensor):
             t = self._lazy_init(outputs.device)
+            loss = outputs.detach()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
             if self._check_loss:
                 nonfinite = ~torch.isfinite(outputs.detach()).all()
                 self._loss_nonfinite = (
@@ -465,7 +472,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         if flags is None:
             flags = optimizer_state["flags"] = self._flags(optimizer_state["found_inf_per_device"])
         skip = bool(flags.amax().item())  # the one host read of the step
-        self.last_skip_read = skip if self.last_skip_read is None else (self.last_skip_read or skip)
+        self._skip_read = skip if self._skip_read is None else (self._skip_read or skip)
         return None if skip else optimizer.step(*args, **kwargs)
 
     def _unchecked_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -475,7 +482,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         st = self._per_optimizer_states[id(optimizer)]
         st["flags"] = torch.zeros(2, dtype=torch.float32, device=t["scale"].device)
         st["stage"] = OptState.STEPPED
-        self.last_skip_read = None
+        self._skip_read = None
         return optimizer.step(*args, **kwargs)
 
     def _amp_aware_step(
@@ -487,7 +494,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     ):
         """``step`` for an optimizer with ``_step_supports_amp_scaling``. No host read."""
         assert self._t is not None
-        self.last_skip_read = None  # no read: the step's outcome is not known on the host
+        self._skip_read = None  # no read: the step's outcome is not known on the host
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             warnings.warn(
                 "LossScaler passes itself as grad_scaler= to this optimizer, as GradScaler does; "
@@ -529,8 +536,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         if not self._check_finite:
             return
         t = self._require_init("update")
-        self._last_read = self.last_skip_read
-        self.last_skip_read = None
+        self._last_skip_read, self._skip_read = self._skip_read, None
         recorded = [
             s["flags"] if "flags" in s else self._flags(s["found_inf_per_device"])
             for s in self._per_optimizer_states.values()
@@ -583,7 +589,9 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             )
             t["history"][self._num_updates % self._history_size].copy_(row)
             self._num_updates += 1
+            self._last_loss = self._loss_sum
         self._loss_nonfinite = None
+        self._loss_sum = None
         self._per_optimizer_states = defaultdict(_fresh_opt_state)
 
     def get_scale(self) -> float:
@@ -670,10 +678,19 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         return self._history_size
 
     @property
-    def last_step_skipped_host(self) -> bool | None:
-        """Whether the last step was skipped, as ``step()`` read it (no new read); None when
-        ``step()`` made no read (fused optimizer) -- then use ``last_step_skipped`` (syncs)."""
-        return self._last_read
+    def last_step_loss(self) -> torch.Tensor | None:
+        """The sum of the losses ``scale()`` was given in the last recorded step (one per
+        micro-batch: with the usual ``loss / accumulation_steps`` that is the step's mean loss),
+        as a device tensor; None before the first step or when ``scale()`` got no tensor. No
+        host read."""
+        return self._last_loss
+
+    @property
+    def last_skip_read(self) -> bool | None:
+        """Whether the last recorded step was skipped, as ``step()`` read it on the host (no new
+        read); None when ``step()`` made no read (fused optimizer) -- then use
+        ``last_step_skipped`` (syncs)."""
+        return self._last_skip_read
 
     def device_counters(self) -> dict[str, torch.Tensor]:
         """The device tensors behind the counters (scale, skipped_total, forward_overflows,
@@ -844,7 +861,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             ),
         }
         old, self._t = self._t, None
-        self._loss_nonfinite = None
+        self._loss_nonfinite = self._loss_sum = self._last_loss = None
         self._per_optimizer_states = defaultdict(_fresh_opt_state)
         if old is not None:
             new = self._lazy_init(old["scale"].device)
@@ -865,6 +882,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         state["_init"] = self._values()
         state["_t"] = None
         state["_loss_nonfinite"] = None
+        state["_loss_sum"] = state["_last_loss"] = None
         state["reduce_flags"] = None
         state["_per_optimizer_states"] = defaultdict(_fresh_opt_state)
         return state

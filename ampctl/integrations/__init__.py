@@ -18,6 +18,7 @@ to install it when it is missing.
 
 from __future__ import annotations
 
-from .protected_run import IntegrationError, ProtectedRun, require
+from .common import IntegrationError, require
+from .protected_run import LoopInfo, ProtectedRun
 
-__all__ = ["IntegrationError", "ProtectedRun", "require"]
+__all__ = ["IntegrationError", "LoopInfo", "ProtectedRun", "require"]

@@ -30,6 +30,13 @@ class LogWindow:
     tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
 
+    def add_step(self, loss: torch.Tensor | None, tokens: int) -> None:
+        """Add one step: its loss (None: none known, only the tokens count) and tokens."""
+        if loss is None:
+            self.tokens += tokens
+        else:
+            self.add(loss, tokens)
+
     def add(self, loss: torch.Tensor, tokens: int) -> None:
         """Add one step's loss (non-finite losses are not averaged in). No host read."""
         finite = torch.isfinite(loss)
@@ -157,7 +164,7 @@ def gather_log_figures(
     """Add every figure of a log step to ``fig`` under the names
     :func:`~ampctl.protect.records.metrics_row` reads: the interval's loss, the gradient
     statistics (when taken), the scaler's counters, the recent skips, the lr, the probes' figures
-    and the guard's waiting decisions (``pending``, fused path; read back as ``"guard"``).
+    and the guard's waiting decisions (``pending``, fused path; read back as ``"pending_decisions"``).
     ``sharded``: the gradients are sharded over ranks (FSDP), so their figures are summed (and
     their max taken) across ranks; the loss is always summed. No host read."""
     fig.add("loss_sum", window.loss_sum if window.loss_sum is not None else 0.0, "sum")
@@ -176,4 +183,4 @@ def gather_log_figures(
     for probe in probes:
         probe.figures(fig)
     if pending is not None:
-        fig.add("guard", pending, vector=True)
+        fig.add("pending_decisions", pending, vector=True)

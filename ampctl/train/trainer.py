@@ -427,7 +427,8 @@ class Trainer:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         self._stop_agreed = vals["stop"] > 0
         window, self.window = self.window, LogWindow()
-        rewind = self.protection.on_read(vals["guard"]) if "guard" in vals else None
+        pending = vals.get("pending_decisions")
+        rewind = self.protection.on_read(pending) if pending is not None else None
         if rewind is not None:  # a late rollback discarded the interval's steps
             self.apply_rewind(rewind)
             return None
@@ -508,7 +509,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "precision": self.precision.state_dict(),
             "master": self.precision.master_state(),
-            "guard": self.protection.state_dict(),
+            "protection": self.protection.state_dict(),
             "trainer": {"tokens": self._tokens_total, "wall_s": self._wall()},
             "log_window": per_rank[0]["log_window"],
             "dist": {
@@ -571,7 +572,8 @@ class Trainer:
         same_ranks = saved["per_rank"] is not None and len(saved["per_rank"]) == self.ctx.world_size
         mine = saved["per_rank"][self.ctx.rank] if same_ranks else None
         set_rng_state(mine["rng"] if mine else ck["rng"])
-        self.protection.load_state_dict(ck.get("guard", {}))
+        # "guard": the key of checkpoints written by ampctl 0.2 and older
+        self.protection.load_state_dict(ck.get("protection", ck.get("guard", {})))
         tr = ck.get("trainer", {})
         self._tokens_total = int(tr.get("tokens", 0))
         self._wall_before = float(tr.get("wall_s", 0.0))

@@ -229,8 +229,8 @@ def test_defaults():
     assert s.get_backoff_factor() == 0.5 and s.get_growth_interval() == 2000
     assert (s.hysteresis, s.min_scale, s.max_scale, s.history_size) == (1, 1.0, 2.0**24, 1024)
     assert s.is_enabled() and s._check_finite and s._check_loss
-    assert s.reduce_flags is None and s.last_skip_read is None and s.num_steps == 0
-    assert s.last_step_skipped_host is None and s.device is None
+    assert s.reduce_flags is None and s._skip_read is None and s.num_steps == 0
+    assert s.last_skip_read is None and s.device is None
     assert s.skipped_steps == 0 and s.forward_overflows == 0 and s.consecutive_overflows == 0
     assert s.last_step_skipped is False and s.history() == []
     assert s._get_growth_tracker() == 0
@@ -324,7 +324,7 @@ def test_a_clean_step_unscales_steps_and_counts():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     ref(x).pow(2).mean().backward()
     torch.testing.assert_close(model.weight.grad, ref.weight.grad, rtol=0, atol=0)
-    assert s.last_step_skipped_host is False and s.last_step_skipped is False
+    assert s.last_skip_read is False and s.last_step_skipped is False
     assert s.history() == [(1, 8.0, False)]
     _step(s, model, opt)
     assert s.get_scale() == 16.0 and s.num_steps == 2 and s._get_growth_tracker() == 0
@@ -358,7 +358,7 @@ def test_skipped_steps_are_counted_by_kind_and_in_a_row():
     w = model.weight.detach().clone()
     _step(s, model, opt, loss_mul=NAN)
     assert torch.equal(model.weight, w)
-    assert s.last_step_skipped_host is True
+    assert s.last_skip_read is True
     assert (s.skipped_steps, s.forward_overflows, s.consecutive_overflows) == (2, 1, 2)
     assert s.get_scale() == 32.0  # backed off once: the forward overflow does not
     _step(s, model, opt)
@@ -793,13 +793,13 @@ def test_several_optimizers_share_one_update():
     b.weight.grad[0, 0] = INF
     wa = a.weight.detach().clone()
     s.step(oa)
-    assert s.last_skip_read is False
+    assert s._skip_read is False
     s.step(ob)
-    assert s.last_skip_read is True  # skipped for either: recorded as skipped
+    assert s._skip_read is True  # skipped for either: recorded as skipped
     s.update()
     assert not torch.equal(a.weight, wa)  # a's own step was clean and ran
-    assert s.last_step_skipped_host is True and s.skipped_steps == 1 and s.get_scale() == 8.0
-    assert s.last_skip_read is None
+    assert s.last_skip_read is True and s.skipped_steps == 1 and s.get_scale() == 8.0
+    assert s._skip_read is None
 
 
 def test_update_with_a_new_scale():
@@ -869,7 +869,7 @@ def test_a_disabled_scaler_runs_a_closure_unchecked():
     assert s.step(opt, closure=closure) is not None and calls == [1]
     st = s._per_optimizer_states[id(opt)]
     assert st["stage"] is OptState.STEPPED and st["flags"].tolist() == [0.0, 0.0]
-    assert s.last_skip_read is None and s.device == torch.device("cpu")
+    assert s._skip_read is None and s.device == torch.device("cpu")
     s.update()
     assert s.num_steps == 1 and s.skipped_steps == 0
 
@@ -904,7 +904,7 @@ def test_amp_aware_optimizer_gets_the_scaler_itself():
     _backward(s, model, plant=INF)
     with pytest.warns(FutureWarning, match="LossScaler passes itself as grad_scaler="):
         assert s.step(opt) == "done"
-    assert opt.got is s and s.last_skip_read is None
+    assert opt.got is s and s._skip_read is None
     assert s._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
     s.update()
     assert s.skipped_steps == 1 and s.get_scale() == 2.0
@@ -921,7 +921,7 @@ def test_amp_aware_optimizer_gets_the_scale_and_the_flag():
     scale, found = opt.got
     assert scale is s._scale and found.item() == 0.0
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
-    assert s.last_skip_read is None
+    assert s._skip_read is None
     s.update()
     # the optimizer's own grad_scale is multiplied in; found_inf is the flag after any reduction
     opt.grad_scale = torch.tensor(3.0)
@@ -1237,7 +1237,7 @@ def test_maybe_opt_step_reached_into_directly_decides_from_the_recorded_flags():
     w = model.weight.detach().clone()
     assert s._maybe_opt_step(opt, state) is None
     assert torch.equal(model.weight, w) and state["flags"].tolist() == [1.0, 0.0]
-    assert s.last_skip_read is True
+    assert s._skip_read is True
     s.update()
     opt.zero_grad()
     _backward(s, model)
@@ -1257,9 +1257,9 @@ def test_the_step_read_remembers_a_skip_across_optimizers_in_any_order():
     a.weight.grad[0, 0] = INF
     s.step(oa)
     s.step(ob)
-    assert s.last_skip_read is True
+    assert s._skip_read is True
     s.update()
-    assert s.last_step_skipped_host is True
+    assert s.last_skip_read is True
 
 
 def test_recent_history_never_returns_more_than_was_recorded():

@@ -189,7 +189,7 @@ class Precision:
         self.scaler.step(optimizer)
         self.scaler.update()
         self.after_step()
-        return self.scaler.last_step_skipped_host
+        return self.scaler.last_skip_read
 
     def after_step(self) -> None:
         """After the optimizer step. Pass-through."""
