@@ -1,4 +1,5 @@
-"""LossScaler: a ``torch.amp.GradScaler`` with hysteresis, bounds and observed skips.
+"""LossScaler: a ``torch.amp.GradScaler`` with hysteresis, bounds, observed skips and a record of
+every step, at GradScaler's cost.
 
 Call order (the same as GradScaler)::
 
@@ -14,39 +15,46 @@ What it adds to GradScaler:
 * ``hysteresis`` (DeepSpeed / Megatron): the scale backs off only on the ``hysteresis``-th
   gradient overflow. The counter refills to ``hysteresis`` whenever the scale grows (after
   ``growth_interval`` consecutive clean steps), exactly as Megatron's ``DynamicGradScaler``.
-  With ``hysteresis=1`` every gradient overflow backs off, as in GradScaler.
+  With ``hysteresis=1`` every overflow backs off, as in GradScaler.
 * ``min_scale`` / ``max_scale`` clamp the scale (defaults 1 and Apex's ceiling 2**24;
   ``min_scale=0`` and ``max_scale=inf`` remove the bounds, as in GradScaler).
-* Forward overflow is told apart from gradient overflow (``check_loss=True``): a non-finite loss
-  skips the step and is counted, but the scale is not backed off (a smaller scale cannot cure
-  it). ``check_loss=False`` decides from the gradients only, as GradScaler (a NaN loss gives NaN
-  gradients: skipped and backed off).
+* A record of every step on the device (:mod:`.records`): the scale used, whether it was
+  skipped, the loss ``scale()`` saw (summed over the micro-batches) and the gradient norm the
+  loop reported. A skipped step whose loss was not finite is a *forward* overflow
+  (``check_loss=True``, the default; a smaller scale cannot cure it, which is why ampctl's guard
+  puts the scale back and locates the module); ``check_loss=False`` calls every skip a gradient
+  overflow, as GradScaler would. Counters -- skipped, forward overflows, spikes, overflows in a
+  row -- are reductions over the record, so a clean step pays no op for them.
 * With scaling disabled (``enabled=False``, for bf16 / fp32) non-finite gradients are still
   detected and the step skipped (``check_finite=True``), so a bf16 run never applies a NaN
   update. ``check_finite=False`` makes a disabled scaler a pure pass-through, like GradScaler's.
-* Skips are *observed* (what ``step`` did), not inferred from a change of scale, and kept on the
-  device: total skipped, forward overflows, consecutive overflows, last-step flag and a bounded
-  (update, scale used, kind) history -- kind 0 clean, 1 gradient overflow, 2 forward overflow --
-  all in ``state_dict()``.
+* A spike veto (:meth:`set_spike_thresholds`, used by the guard's spike rule): a step whose loss
+  (or reported gradient norm) is above the threshold in force is skipped on the device, with
+  the same flag the overflow check sets: no host read, fused optimizers included.
+* Skips are *observed* (what ``step`` did), not inferred from a change of scale.
 
 A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true (and so is
 ``isinstance(scaler, torch.cuda.amp.GradScaler)``, the deprecated class older code checks) and the
 GradScaler internals training code reaches into act on the live state (:mod:`.scaler_compat`).
 
-Bit for bit: ``LossScaler.like_gradscaler(device, init_scale, growth_factor, backoff_factor,
-growth_interval, enabled)`` takes GradScaler's arguments and sets ``hysteresis=1,
-min_scale=0, max_scale=inf, check_loss=False, check_finite=False``; it then gives GradScaler's
-scale trajectory, skipped steps and weights bit for bit. Any LossScaler with ``hysteresis=1``
-does so while the scale stays within [min_scale, max_scale] (defaults 1 and 2**24), no loss is
-non-finite (or ``check_loss=False``) and, when disabled, no gradient is (or
-``check_finite=False``). One deliberate difference remains: GradScaler grows only when its
+Bit for bit: with ``hysteresis=1`` the scale is updated by GradScaler's own fused kernel
+(``torch._amp_update_scale_``) on GradScaler's found-inf flag, so ``LossScaler.like_gradscaler(
+device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)`` (``hysteresis=1,
+min_scale=0, max_scale=inf, check_loss=False, check_finite=False``) gives GradScaler's scale
+trajectory, skipped steps and weights bit for bit, and any LossScaler with ``hysteresis=1`` does so
+while the scale stays within [min_scale, max_scale] and, when disabled, no gradient is non-finite
+(or ``check_finite=False``). One deliberate difference remains: GradScaler grows only when its
 growth tracker *equals* ``growth_interval``, so after the interval is lowered below the tracker
-it never grows again until an overflow; LossScaler grows at the next clean step.
+it never grows again until an overflow; LossScaler clamps the tracker when the interval is
+lowered and grows at the next clean step.
 
-Host reads: ``step`` reads one flag per optimizer per step (to decide whether to call
-``optimizer.step()``); with an optimizer that handles scaling itself
-(``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) it reads nothing. ``scale``,
-``unscale_``, ``update`` and reading ``_scale`` never read the device.
+Cost per step, counted in device ops (kernel launches on a GPU) by ``tests/amp/test_cost.py``:
+GradScaler's, plus one copy for the record row and one clamp for the bounds (none without
+bounds); the skip flag ``step`` reads is GradScaler's found-inf flag as it is. ``hysteresis > 1``
+runs the rule of :func:`~.scale_rule.next_scale` instead (about 25 ops). Host reads: ``step``
+reads the flag once per step (to decide whether to call ``optimizer.step()``); with an optimizer
+that handles scaling itself (``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) it reads
+nothing. ``scale``, ``unscale_``, ``update`` and reading ``_scale`` never read the device.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from . import records as rec
 from .checks import FieldError, need
 from .checks import is_finite as _finite
 from .checks import is_int as _is_int
@@ -71,17 +80,12 @@ from .scaler_compat import CallOrderError, GradScalerPrivates
 
 __all__ = ["CallOrderError", "LossScaler", "OptState", "ScalerConfig", "next_scale"]
 
-# The device tensors besides the history, in the order state_dict() reads them.
-_SCALARS = (
-    "scale",
-    "growth_tracker",
-    "hysteresis_tracker",
-    "skipped_total",
-    "forward_overflows",
-    "consecutive_overflows",
-    "last_skipped",
-)
-_DTYPES = {"scale": torch.float32, "growth_tracker": torch.int32, "hysteresis_tracker": torch.int32}
+# The packed per-step vector: its first four entries are also the first four columns of a record
+# row (one copy writes them), ONE is the unit "scale" of a disabled scaler, NAN the missing
+# gradient norm of a row.
+SCALE, FOUND, LOSS_THR, GNORM_THR, ONE, NAN = range(6)
+# The running base of the counters: everything before the oldest row not folded in yet.
+_BASE = ("skipped_total", "forward_overflows", "spikes", "consecutive_overflows")
 
 
 def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
@@ -109,27 +113,25 @@ class ScalerConfig:
             raise FieldError(type(self).__name__, e.field, e.value, e.allowed) from None
 
 
-# torch.cuda.amp.GradScaler is torch.amp.GradScaler with a deprecated __init__ (never called here):
-# deriving from it makes isinstance checks against either class true.
 class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     """Dynamic loss scaler and ``torch.amp.GradScaler`` (see the module docstring).
 
     Args:
         init_scale: initial scale, > 0 (default 2**16).
         growth_factor: multiplier after ``growth_interval`` clean steps, > 1.
-        backoff_factor: multiplier on a gradient overflow, in (0, 1).
+        backoff_factor: multiplier on an overflow, in (0, 1).
         growth_interval: consecutive clean steps before growing, >= 1.
-        hysteresis: gradient overflows tolerated before backing off, >= 1 (refilled on growth).
+        hysteresis: overflows tolerated before backing off, >= 1 (refilled on growth).
         min_scale / max_scale: bounds of the scale, 0 <= min_scale <= max_scale <= inf
             (defaults 1 and 2**24; 0 and inf: no bounds).
         enabled: scale the loss. When False the scale is 1 and never changes.
         check_finite: detect non-finite gradients and skip those steps even when ``enabled`` is
             False (bf16 / fp32). Always on when enabled. False with ``enabled=False``: a pure
             pass-through, as a disabled GradScaler (empty ``state_dict()``).
-        check_loss: check the loss in ``scale()``; a non-finite loss skips the step without
-            backing off (forward overflow, counted). False: decide from the gradients only, as
-            GradScaler.
-        history_size: how many (step, scale, skipped) records to keep, >= 1.
+        check_loss: a skipped step whose loss was not finite is recorded as a forward overflow
+            (kind 2). False: every skip is a gradient overflow, as GradScaler sees it.
+        history_size: how many step records to keep on the device, >= 1 (the counters cover
+            every step: older records are folded into them).
         device: GradScaler's device type (``_device``), e.g. ``"cuda"``; only
             ``_lazy_init_scale_growth_tracker(scaler._device)`` callers use it. The state is
             created on the loss's device at the first ``scale()`` either way. Default: the
@@ -168,6 +170,7 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         # the setters validate (one place for each rule, shared with later changes)
         self.set_growth_factor(growth_factor)
         self.set_backoff_factor(backoff_factor)
+        self._growth_interval = 1
         self.set_growth_interval(growth_interval)
         self.set_hysteresis(hysteresis)
         self.set_bounds(min_scale, max_scale)
@@ -188,28 +191,28 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
             "scale": float(min(max(init_scale, min_scale), max_scale)) if self._enabled else 1.0,
             "growth_tracker": 0,
             "hysteresis_tracker": self._hysteresis,
-            "skipped_total": 0,
-            "forward_overflows": 0,
-            "consecutive_overflows": 0,
-            "last_skipped": 0,
-            "history": torch.zeros(0, 3, dtype=torch.float64),
+            **dict.fromkeys(_BASE, 0),
+            "rows": torch.zeros(0, len(rec.COLUMNS)),  # the newest records, oldest first
         }
+        self._spike = (math.inf, math.inf)  # the thresholds in force (host copy)
         self._num_updates = 0
+        self._folded = 0  # records before this update number are in the base counters
+        self._kept = 0  # records in the ring (fewer than history_size after a short load)
+        self._found_taken = False  # an optimizer of this step has the packed found-inf flag
         self._last_skip_read: bool | None = None  # the last recorded step's _skip_read
         self._t: dict[str, torch.Tensor] | None = None  # device state
-        self._loss_nonfinite: torch.Tensor | None = None  # this step, OR over scale() calls
         self._loss_sum: torch.Tensor | None = None  # this step: the losses scale() was given
+        self._gnorm: torch.Tensor | None = None  # this step: the gradient norm reported
         self._last_loss: torch.Tensor | None = None  # the last recorded step's _loss_sum
-        # GradScaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {...}},
-        # plus "flags" once step() has decided.
+        # GradScaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {...}}.
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_opt_state)
         # What step() read on the host in this iteration: True/False (skipped or not), or None
         # when no read was made (fused optimizer); update() hands it to last_skip_read.
         self._skip_read: bool | None = None
-        # Distributed hook: given this step's flags (float32 [grad overflow, forward overflow] on
-        # the device), return the flags all ranks agree on (an all-reduce MAX). It runs inside
-        # step(), before the one host read, so every rank skips the same steps and keeps the
-        # same scale. None = single process. Not pickled (it holds process-local handles).
+        # Distributed hook: given this step's found-inf flag (a float32 0-dim device tensor),
+        # return the flag all ranks agree on (an all-reduce MAX). It runs inside step(), before
+        # the one host read, so every rank skips the same steps and keeps the same scale. None =
+        # single process. Not pickled (it holds process-local handles).
         self.reduce_flags: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
@@ -256,18 +259,44 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     def _lazy_init(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._t is None:
             i = self._init
-            t = {
-                k: torch.full((), i[k], dtype=_DTYPES.get(k, torch.int64), device=device)
-                for k in _SCALARS
-            }
-            t["history"] = torch.zeros(self._history_size, 3, dtype=torch.float64, device=device)
-            old = i["history"][-self._history_size :]
-            n = old.shape[0]
-            # ring buffer: record k lives at row k % history_size
-            for k in range(n):
-                t["history"][(self._num_updates - n + k) % self._history_size] = old[k]
-            self._t = t
+            vec = torch.tensor(
+                [i["scale"], 0.0, self._spike[0], self._spike[1], 1.0, math.nan],
+                dtype=torch.float32,
+                device=device,
+            )
+            history = torch.full(
+                (self._history_size, len(rec.COLUMNS)), math.nan, dtype=torch.float32, device=device
+            )
+            rows = i["rows"][-self._history_size :]
+            n = rows.shape[0]
+            if n:  # ring buffer: record k lives at row k % history_size
+                idx = torch.arange(self._num_updates - n, self._num_updates) % self._history_size
+                history[idx.to(device)] = rows.to(device, torch.float32)
+            self._t = self._views(
+                {
+                    "vec": vec,
+                    "growth_tracker": torch.full(
+                        (), i["growth_tracker"], dtype=torch.int32, device=device
+                    ),
+                    "hysteresis_tracker": torch.full(
+                        (), i["hysteresis_tracker"], dtype=torch.int32, device=device
+                    ),
+                    "history": history,
+                    "base": torch.tensor(
+                        i.get("base") or [i[k] for k in _BASE], dtype=torch.float64, device=device
+                    ),
+                }
+            )
+            self._folded = self._num_updates - n
+            self._kept = n
         return self._t
+
+    @staticmethod
+    def _views(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The named views into the packed vector (no copy: writing one writes the vector)."""
+        v = t["vec"]
+        t.update(scale=v[SCALE], found=v[FOUND], one=v[ONE], nan=v[NAN : NAN + 1])
+        return t
 
     def init_state(self, device: torch.device | str) -> None:
         """Create the device state now (otherwise the first ``scale()`` does, on the loss's
@@ -277,21 +306,40 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     @property
     def device(self) -> torch.device | None:
         """Device of the scaler's state (None before the first ``scale()``)."""
-        return None if self._t is None else self._t["scale"].device
+        return None if self._t is None else self._t["vec"].device
 
-    def _values(self, history: bool = True) -> dict[str, Any]:
-        """The state as host values, in the form of ``_init`` (without ``history`` unless
-        asked). **Syncs**: one transfer for the scalars, one for the history."""
+    def _rows(self, n: int | None = None, caller: str = "recent_records") -> torch.Tensor:
+        """The newest ``n`` records (default: all kept), oldest first, on the device."""
+        t = self._require_init(caller)
+        n = self._kept if n is None else min(n, self._kept)
+        if n == 0:
+            return t["history"][:0]
+        return t["history"][
+            rec.ring_index(self._num_updates, n, self._history_size, t["history"].device)
+        ]
+
+    def _values(self) -> dict[str, Any]:
+        """The state as host values, in the form of ``_init`` (records included). **Syncs**:
+        one transfer for the scalars and counters, one for the records."""
         if self._t is None:
             vals = dict(self._init)
-        else:
-            read = torch.stack([self._t[k].double() for k in _SCALARS]).tolist()
-            vals = {k: int(v) for k, v in zip(_SCALARS, read, strict=True)}
-            vals["scale"] = float(read[0])
-        if history:
-            vals["history"] = self._history_tensor()
-        else:
-            vals.pop("history", None)
+            vals["base"] = vals.get("base") or _base_of(vals, vals["rows"], self._check_loss)
+            return vals
+        t = self._t
+        c = self._count_tensor()
+        scalars = torch.cat(
+            [t["vec"][SCALE : SCALE + 1].double(), t["growth_tracker"].double().reshape(1),
+             t["hysteresis_tracker"].double().reshape(1), c[:4]]
+        ).tolist()  # fmt: skip
+        vals: dict[str, Any] = {
+            "scale": float(scalars[0]),
+            "growth_tracker": int(scalars[1]),
+            "hysteresis_tracker": int(scalars[2]),
+        }
+        vals.update({k: int(v) for k, v in zip(_BASE, scalars[3:], strict=True)})
+        rows = self._rows().cpu()
+        # the counters before the kept rows, which a state made from these values starts from
+        vals["rows"], vals["base"] = rows, _base_of(vals, rows, self._check_loss)
         return vals
 
     def _assign(self, key: str, value: Any) -> None:
@@ -313,7 +361,9 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
             self._lazy_init(v.device)
         assert self._t is not None
         if v.device != self._t[key].device:
-            self._t = {k: t.to(v.device) for k, t in self._t.items()}
+            moved = {k: self._t[k].to(v.device) for k in ("vec", "growth_tracker",
+                     "hysteresis_tracker", "history", "base")}  # fmt: skip
+            self._t = self._views(moved)
         with torch.no_grad():
             self._t[key].copy_(v.reshape(()))
 
@@ -321,8 +371,8 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     def scale(self, outputs):
         """Multiply a loss (or a tensor / nested iterable of tensors) by the scale.
 
-        With ``check_loss`` also records, on the device, whether the loss is finite
-        (forward-overflow detection). Disabled: returns ``outputs`` itself. Does not read the
+        Records the loss for the step's record (the sum over the micro-batches' ``scale()``
+        calls; no op for the first). Disabled: returns ``outputs`` itself. Does not read the
         device on the host.
         """
         if not self._check_finite:
@@ -330,12 +380,9 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         if isinstance(outputs, torch.Tensor):
             t = self._lazy_init(outputs.device)
             loss = outputs.detach()
+            if loss.numel() != 1:
+                loss = loss.float().sum()
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-            if self._check_loss:
-                nonfinite = ~torch.isfinite(outputs.detach()).all()
-                self._loss_nonfinite = (
-                    nonfinite if self._loss_nonfinite is None else self._loss_nonfinite | nonfinite
-                )
             if not self._enabled:
                 return outputs
             return outputs * t["scale"].to(device=outputs.device, non_blocking=True)
@@ -374,6 +421,20 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
                     grads.append(p.grad)
         return grads
 
+    def _fresh_found(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This step's found-inf flag for the next optimizer checked: the first gets the packed
+        flag, reset by the spike veto of the step's loss (``loss > threshold``, which writes 0 or
+        1: the reset and the veto in one op); another optimizer of the same step gets a flag of
+        its own, combined in ``update()``. No host read."""
+        if self._found_taken:
+            return torch.zeros((), dtype=torch.float32, device=t["vec"].device)
+        self._found_taken = True
+        if self._loss_sum is not None and self._spike[0] < math.inf:
+            torch.gt(self._loss_sum, t["vec"][LOSS_THR], out=t["found"])
+        else:
+            t["found"].zero_()
+        return t["found"]
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale and check them for inf/NaN (fused).
 
@@ -395,43 +456,69 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
                 "or call update() to start the next step."
             )
         scale = t["scale"]
-        # the reciprocal in float64, as GradScaler (MPS has no float64)
-        inv = (
-            scale.reciprocal()
-            if scale.device.type == "mps"
-            else scale.double().reciprocal().float()
-        )
-        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        if not self._enabled:
+            inv = t["one"]  # nothing to divide: the check alone
+        else:  # the reciprocal in float64, as GradScaler (MPS has no float64)
+            inv = (
+                scale.reciprocal()
+                if scale.device.type == "mps"
+                else scale.double().reciprocal().float()
+            )
         st["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv, found, allow_fp16=not self._enabled
+            optimizer, inv, self._fresh_found(t), allow_fp16=not self._enabled
         )
         st["stage"] = OptState.UNSCALED
 
-    def _flags(self, found_per_device: dict[Any, torch.Tensor]) -> torch.Tensor:
-        """``[gradient overflow, forward overflow]`` for one optimizer as a float32 2-vector on
-        the scale's device, agreed across ranks by ``reduce_flags`` when set. No host read."""
-        t = self._t
-        assert t is not None
-        dev = t["scale"].device
-        grad = torch.zeros((), dtype=torch.float32, device=dev)
-        for f in found_per_device.values():
-            grad = grad + f.to(dev, non_blocking=True).reshape(())
-        fwd = (
-            self._loss_nonfinite.to(dev).float()
-            if self._loss_nonfinite is not None
-            else torch.zeros((), dtype=torch.float32, device=dev)
-        )
-        flags = (torch.stack([grad, fwd]) > 0).float()
-        if self.reduce_flags is not None:
-            flags = self.reduce_flags(flags)
-        return flags
+    def report_grad_norm(self, norm: torch.Tensor) -> None:
+        """The loop's gradient norm for this step (``clip_grad_norm_``'s result: after
+        ``unscale_``, before ``step``): kept in the step's record, and with a gradient-norm
+        threshold in force (:meth:`set_spike_thresholds`) a norm above it vetoes the step, on
+        the device (two ops). No host read."""
+        if not self._check_finite or self._t is None:
+            return
+        self._gnorm = norm.detach().float().reshape(())
+        if self._spike[1] < math.inf:
+            t = self._t
+            torch.maximum(t["found"], torch.gt(self._gnorm, t["vec"][GNORM_THR]), out=t["found"])
+
+    def set_spike_thresholds(self, loss: float = math.inf, grad_norm: float = math.inf) -> None:
+        """Veto (skip, on the device) a step whose loss is above ``loss`` or whose reported
+        gradient norm is above ``grad_norm``; ``inf`` turns a rule off. The guard's spike rule
+        sets them at each log read from the recent record. Thresholds are recorded with every
+        step, so a vetoed step reads as a spike. No host read."""
+        for name, v in (("loss", loss), ("grad_norm", grad_norm)):
+            if not _number(v) or math.isnan(v):
+                raise ValueError(f"LossScaler.set_spike_thresholds: {name}={v!r} is not a number")
+        new = (float(loss), float(grad_norm))
+        if new == self._spike:
+            return
+        self._spike = new
+        if self._t is not None:
+            vec = self._t["vec"]
+            vec[LOSS_THR].fill_(new[0])
+            vec[GNORM_THR].fill_(new[1])
+
+    @property
+    def spike_thresholds(self) -> tuple[float, float]:
+        """``(loss, grad_norm)`` thresholds in force (``inf``: off)."""
+        return self._spike
+
+    def _agree(self, found_per_device: dict[Any, torch.Tensor]) -> None:
+        """Across ranks (``reduce_flags`` set): every flag becomes the one all ranks agree on,
+        in place, before it is read or handed to the optimizer. No host read (a collective)."""
+        if self.reduce_flags is None:
+            return
+        for v in found_per_device.values():
+            agreed = self.reduce_flags(v)
+            if agreed is not v:
+                v.copy_(agreed.reshape(v.shape))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         """Unscale (if not done yet) and run ``optimizer.step()`` unless the step overflowed.
 
         A skipped step leaves weights and optimizer state untouched; gradients stay unscaled.
-        **Syncs once** (reads the skip flag) -- except with an optimizer that supports AMP
-        scaling natively (``_step_supports_amp_scaling``): one whose ``step`` takes
+        **Syncs once** (reads the found-inf flag, as GradScaler) -- except with an optimizer that
+        supports AMP scaling natively (``_step_supports_amp_scaling``): one whose ``step`` takes
         ``grad_scaler`` gets this scaler (GradScaler's deprecated protocol, with its
         FutureWarning), any other (e.g. fused AdamW) gets ``grad_scale`` / ``found_inf`` tensors
         and skips on the device: no host read.
@@ -455,7 +542,7 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
             return self._amp_aware_step(optimizer, st, args, kwargs)
         if st["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        st["flags"] = self._flags(st["found_inf_per_device"])
+        self._agree(st["found_inf_per_device"])
         retval = self._maybe_opt_step(optimizer, st, *args, **kwargs)
         st["stage"] = OptState.STEPPED
         return retval
@@ -467,11 +554,9 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ):
-        """Call ``optimizer.step()`` unless this step's flags say overflow. **Syncs once.**"""
-        flags = optimizer_state.get("flags")
-        if flags is None:
-            flags = optimizer_state["flags"] = self._flags(optimizer_state["found_inf_per_device"])
-        skip = bool(flags.amax().item())  # the one host read of the step
+        """Call ``optimizer.step()`` unless a found-inf flag of the step is set. **Syncs once**
+        per device (one on a single device), as GradScaler."""
+        skip = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
         self._skip_read = skip if self._skip_read is None else (self._skip_read or skip)
         return None if skip else optimizer.step(*args, **kwargs)
 
@@ -480,7 +565,9 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         t = self._lazy_init(params[0].device if params else torch.device("cpu"))
         st = self._per_optimizer_states[id(optimizer)]
-        st["flags"] = torch.zeros(2, dtype=torch.float32, device=t["scale"].device)
+        found = self._fresh_found(t)
+        found.zero_()  # unchecked: clean whatever the loss was
+        st["found_inf_per_device"] = {found.device: found}
         st["stage"] = OptState.STEPPED
         self._skip_read = None
         return optimizer.step(*args, **kwargs)
@@ -505,7 +592,7 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
             )
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             # what the optimizer recorded (via unscale_ / _check_inf_per_device) decides update()
-            st["flags"] = self._flags(st["found_inf_per_device"])
+            self._agree(st["found_inf_per_device"])
             st["stage"] = OptState.STEPPED
             return retval
         user_scale = getattr(optimizer, "grad_scale", None)
@@ -514,9 +601,13 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
             if self._enabled:  # the kernel unscales: hand it the scale (times the user's own)
                 scale = self._t["scale"]
                 user_scale = scale if user_scale is None else scale * user_scale
-        st["flags"] = self._flags(st["found_inf_per_device"])
+        found = st["found_inf_per_device"]
+        self._agree(found)
+        flags = list(found.values())
         optimizer.grad_scale = user_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = st["flags"].amax()  # type: ignore[attr-defined]
+        optimizer.found_inf = (  # type: ignore[attr-defined]
+            flags[0] if len(flags) == 1 else sum(f.to(flags[0].device) for f in flags)
+        )
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
@@ -528,71 +619,115 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Record the step (skipped or not) and update the scale, all on the device.
 
-        The overflow flags of every optimizer stepped -- or only unscaled / checked -- this
-        iteration count. ``new_scale`` (a number or a one-element tensor, copied) sets the scale
-        by hand, clamped to the bounds; the growth tracker is left as it is, as in GradScaler.
-        Does not read the device.
+        The found-inf flags of every optimizer stepped -- or only unscaled / checked -- this
+        iteration count. With ``hysteresis=1`` the scale follows GradScaler's own kernel (one
+        op), then the bounds (one clamp); ``new_scale`` (a number or a one-element tensor,
+        copied) sets the scale by hand, clamped to the bounds, leaving the growth tracker as it
+        is (as in GradScaler). Does not read the device.
         """
         if not self._check_finite:
             return
         t = self._require_init("update")
         self._last_skip_read, self._skip_read = self._skip_read, None
-        recorded = [
-            s["flags"] if "flags" in s else self._flags(s["found_inf_per_device"])
+        flags = [
+            v
             for s in self._per_optimizer_states.values()
-            if "flags" in s or s["found_inf_per_device"]
+            for v in s["found_inf_per_device"].values()
         ]
-        if not recorded and new_scale is None:
+        if not flags and new_scale is None:
             raise CallOrderError(
                 "LossScaler.update() was called before step(): call scaler.step(optimizer) for "
                 "every optimizer, then update() once per iteration."
             )
-        dev = t["scale"].device
-        flags = torch.stack(recorded).amax(0) if recorded else torch.zeros(2, device=dev)
-        fwd = flags[1] > 0
-        grad_overflow = (flags[0] > 0) & ~fwd
-        skipped_b = (flags[0] > 0) | fwd
-        used_scale = t["scale"].clone()
+        found = t["found"]
+        if flags:
+            for v in flags:  # other optimizers and devices: one flag for the step
+                if v is not found:
+                    torch.maximum(found, v.to(found.device), out=found)
+            self._record(t)
         if new_scale is not None:
             value = _new_scale_tensor(new_scale)
             if self._enabled:
-                t["scale"].copy_(value.to(dev).clamp(self._min_scale, self._max_scale))
-        elif self._enabled:
-            s, g, h = next_scale(
+                t["scale"].copy_(value.to(found.device).clamp(self._min_scale, self._max_scale))
+        elif self._enabled and flags:
+            self._update_scale(t)
+        self._loss_sum = self._gnorm = None
+        self._found_taken = False
+        self._per_optimizer_states = defaultdict(_fresh_opt_state)
+
+    def _record(self, t: dict[str, torch.Tensor]) -> None:
+        """Write the step's record row (one copy: the packed vector's first four entries, the
+        loss, the gradient norm), folding the oldest records into the counters first when the
+        ring is full (every ``history_size`` steps). No host read."""
+        if self._num_updates - self._folded >= self._history_size:
+            self._fold(t)
+        loss = self._loss_sum.reshape(1) if self._loss_sum is not None else t["nan"]
+        gnorm = self._gnorm.reshape(1) if self._gnorm is not None else t["nan"]
+        row = t["history"][self._num_updates % self._history_size]
+        torch.cat([t["vec"][:4], loss, gnorm], out=row)
+        self._num_updates += 1
+        self._kept = min(self._kept + 1, self._history_size)
+        self._last_loss = self._loss_sum
+
+    def _fold(self, t: dict[str, torch.Tensor]) -> None:
+        """Add every unfolded record to the base counters (the ring is about to wrap)."""
+        c = rec.counts(self._rows(self._num_updates - self._folded), check_loss=self._check_loss)
+        base = t["base"]
+        run = c[3] + c[4] * base[3]  # a run of skips that began before these records goes on
+        base[:3] += c[:3]
+        base[3] = run
+        self._folded = self._num_updates
+
+    def _update_scale(self, t: dict[str, torch.Tensor]) -> None:
+        """The scale rule. ``hysteresis=1``: GradScaler's fused kernel, then the bounds (one
+        clamp; none without bounds): every skipped step backs off, as in GradScaler. Otherwise
+        :func:`~.scale_rule.next_scale`, which keeps the scale on a forward overflow or a spike
+        (read from the step's record). No host read."""
+        found = t["found"]
+        if self._hysteresis == 1:
+            torch._amp_update_scale_(
                 t["scale"],
                 t["growth_tracker"],
-                t["hysteresis_tracker"],
-                grad_overflow,
-                fwd,
-                growth_factor=self._growth_factor,
-                backoff_factor=self._backoff_factor,
-                growth_interval=self._growth_interval,
-                hysteresis=self._hysteresis,
-                min_scale=self._min_scale,
-                max_scale=self._max_scale,
+                found,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
             )
-            t["scale"].copy_(s)
-            t["growth_tracker"].copy_(g)
-            t["hysteresis_tracker"].copy_(h)
-        if recorded:
-            sk = skipped_b.long()
-            t["skipped_total"].add_(sk)
-            t["forward_overflows"].add_(fwd.long())
-            t["consecutive_overflows"].mul_(sk).add_(sk)
-            t["last_skipped"].copy_(sk)
-            row = torch.stack(
-                [
-                    torch.full((), float(self._num_updates + 1), dtype=torch.float64, device=dev),
-                    used_scale.double(),
-                    (sk + fwd.long()).double(),  # 0 clean, 1 gradient overflow, 2 forward
-                ]
-            )
-            t["history"][self._num_updates % self._history_size].copy_(row)
-            self._num_updates += 1
-            self._last_loss = self._loss_sum
-        self._loss_nonfinite = None
-        self._loss_sum = None
-        self._per_optimizer_states = defaultdict(_fresh_opt_state)
+            if self._min_scale > 0 or self._max_scale < math.inf:
+                t["scale"].clamp_(self._min_scale, self._max_scale)
+            return
+        # the slow path tells the kinds apart on the device: a forward overflow (a loss that is
+        # not finite) or a spike is skipped without touching the scale or the trackers
+        row = t["history"][(self._num_updates - 1) % self._history_size]
+        loss, gnorm = row[rec.LOSS], row[rec.GNORM]
+        no_backoff = (
+            ~torch.isfinite(loss) if self._check_loss else torch.zeros_like(found, dtype=torch.bool)
+        )
+        no_backoff = no_backoff | (loss > row[rec.LOSS_THR]) | (gnorm > row[rec.GNORM_THR])
+        skipped = found > 0
+        s, g, h = next_scale(
+            t["scale"],
+            t["growth_tracker"],
+            t["hysteresis_tracker"],
+            skipped & ~no_backoff,
+            skipped & no_backoff,
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+        )
+        t["scale"].copy_(s)
+        t["growth_tracker"].copy_(g)
+        t["hysteresis_tracker"].copy_(h)
+
+    def restore_scale(self, factor: float) -> None:
+        """Multiply the scale by ``factor``, within the bounds (the guard undoes a back-off that
+        a forward overflow or a spike caused: a smaller scale cures neither). No host read."""
+        if not self._enabled or self._t is None:
+            return
+        self._t["scale"].mul_(float(factor)).clamp_(self._min_scale, self._max_scale)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when scaling is disabled). **Syncs.**"""
@@ -603,6 +738,12 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
     def get_scale_tensor(self) -> torch.Tensor | None:
         """The scale as a 0-dim device tensor (None before the first ``scale()``). No host read."""
         return None if self._t is None else self._t["scale"]
+
+    def skip_flag(self) -> torch.Tensor | None:
+        """This step's found-inf flag (1.0: skipped) as a 0-dim device tensor, valid from
+        ``step()`` until the next step's ``unscale_``: what a loop with a fused optimizer uses to
+        count applied updates without a host read. None before the first ``scale()``."""
+        return None if self._t is None else self._t["found"]
 
     def is_enabled(self) -> bool:
         """Whether the loss is scaled (detection may still be on; see ``check_finite``)."""
@@ -630,13 +771,24 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         self._backoff_factor = float(new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """Change the growth interval. A lower one clamps the growth tracker below it, so the
+        scale grows at the next clean step (GradScaler's kernel grows only at equality)."""
         _check_range(
             "growth_interval",
             new_interval,
             _is_int(new_interval) and new_interval >= 1,
             "an integer >= 1",
         )
+        lower = int(new_interval) < self._growth_interval
         self._growth_interval = int(new_interval)
+        if not lower:
+            return
+        t = getattr(self, "_t", None)
+        if t is not None:
+            t["growth_tracker"].clamp_(max=self._growth_interval - 1)
+        elif hasattr(self, "_init"):
+            tr = self._init["growth_tracker"]
+            self._init["growth_tracker"] = min(tr, self._growth_interval - 1)
 
     def set_hysteresis(self, hysteresis: int) -> None:
         """Change the hysteresis (takes effect when the counter next refills)."""
@@ -678,6 +830,10 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         return self._history_size
 
     @property
+    def check_loss(self) -> bool:
+        return self._check_loss
+
+    @property
     def last_step_loss(self) -> torch.Tensor | None:
         """The sum of the losses ``scale()`` was given in the last recorded step (one per
         micro-batch: with the usual ``loss / accumulation_steps`` that is the step's mean loss),
@@ -692,101 +848,149 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         ``last_step_skipped`` (syncs)."""
         return self._last_skip_read
 
-    def device_counters(self) -> dict[str, torch.Tensor]:
-        """The device tensors behind the counters (scale, skipped_total, forward_overflows,
-        consecutive_overflows, last_skipped). No host read; do not modify them."""
+    # ------------------------------------------------------------------ the record
+    def _count_tensor(self) -> torch.Tensor:
+        """``[skipped, forward overflows, spikes, overflows in a row, last skipped]`` over every
+        recorded step, as a float64 device tensor: the base plus the unfolded records. No host
+        read."""
         t = self._require_init("device_counters")
+        rows = self._rows(self._num_updates - self._folded)
+        c = rec.counts(rows, check_loss=self._check_loss)
+        base = t["base"]
+        if rows.shape[0]:
+            last = rows[-1, rec.SKIPPED].double().reshape(1)
+        else:
+            last = (base[3:4] > 0).double()
+        return torch.cat([base[:3] + c[:3], (c[3] + c[4] * base[3]).reshape(1), last])
+
+    def device_counters(self) -> dict[str, torch.Tensor]:
+        """The counters as 0-dim device tensors (scale, skipped_total, forward_overflows,
+        spikes, consecutive_overflows, last_skipped), computed from the record (a few ops, for
+        a log step). No host read."""
+        t = self._require_init("device_counters")
+        c = self._count_tensor()
         return {
-            k: t[k]
-            for k in (
-                "scale",
-                "skipped_total",
-                "forward_overflows",
-                "consecutive_overflows",
-                "last_skipped",
-            )
+            "scale": t["scale"],
+            "skipped_total": c[0],
+            "forward_overflows": c[1],
+            "spikes": c[2],
+            "consecutive_overflows": c[3],
+            "last_skipped": c[4],
         }
 
     def recent_skips(self, window: int) -> torch.Tensor:
         """Number of skipped steps among the last ``window`` recorded ones (device tensor, no
         host read); at most ``history_size`` steps are remembered."""
-        t = self._require_init("recent_skips")
-        n = min(window, self._num_updates, self._history_size)
-        if n == 0:
-            return torch.zeros((), dtype=torch.float64, device=t["scale"].device)
-        dev = t["history"].device
-        idx = (
-            torch.arange(self._num_updates - n, self._num_updates, device=dev) % self._history_size
-        )
-        return (t["history"][idx, 2] > 0).sum().double()
+        rows = self._rows(window, "recent_skips")
+        if rows.shape[0] == 0:
+            return torch.zeros((), dtype=torch.float64, device=rows.device)
+        return (rows[:, rec.SKIPPED] > 0).sum().double()
 
-    def recent_history(self, n: int) -> torch.Tensor:
-        """The last ``n`` records (at most ``history_size``) as a device tensor of rows
-        ``(update number, scale used, kind)``, kind 0 clean, 1 gradient overflow, 2 forward
-        overflow (non-finite loss). No host read."""
-        t = self._require_init("recent_history")
-        n = min(n, self._num_updates, self._history_size)
-        idx = torch.arange(self._num_updates - n, self._num_updates, device=t["history"].device)
-        return t["history"][idx % self._history_size]
+    def recent_records(self, n: int) -> torch.Tensor:
+        """The last ``n`` step records (at most ``history_size``), oldest first, as a ``[n, 6]``
+        float32 device tensor with the columns of :data:`~ampctl.amp.records.COLUMNS`; record
+        ``i`` of them belongs to update ``num_updates - len + i + 1``. No host read."""
+        return self._rows(n)
+
+    def loss_since(self, update: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, count)`` of the finite losses recorded after update number ``update`` (at
+        most ``history_size`` records back), as 0-dim float64 device tensors: a log interval's
+        loss. No host read."""
+        rows = self._rows(self._num_updates - update)
+        loss = rows[:, rec.LOSS].double()
+        ok = torch.isfinite(loss)
+        return torch.where(ok, loss, 0.0).sum(), ok.sum().double()
 
     # ------------------------------------------------------------------ observed skips
-    def _read(self, key: str) -> int:
-        return int(self._t[key].item()) if self._t is not None else int(self._init[key])
-
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last step (at ``update()``) was skipped. **Syncs.**"""
-        return bool(self._read("last_skipped"))
+        """Whether the last recorded step was skipped. **Syncs.**"""
+        return self.stats()["last_skipped"]
 
     @property
     def skipped_steps(self) -> int:
         """Total skipped steps since the start (kept across checkpoints). **Syncs.**"""
-        return self._read("skipped_total")
+        return self.stats()["skipped_total"]
 
     @property
     def forward_overflows(self) -> int:
-        """Steps skipped because the loss itself was non-finite. **Syncs.**"""
-        return self._read("forward_overflows")
+        """Skipped steps whose loss itself was not finite. **Syncs.**"""
+        return self.stats()["forward_overflows"]
 
     @property
     def consecutive_overflows(self) -> int:
         """Skipped steps in a row up to the last one (0 after a clean step). **Syncs.**"""
-        return self._read("consecutive_overflows")
+        return self.stats()["consecutive_overflows"]
 
     @property
-    def num_steps(self) -> int:
+    def num_updates(self) -> int:
         """Number of ``update()`` calls that recorded a step (host counter, no read)."""
         return self._num_updates
 
-    def history(self) -> list[tuple[int, float, bool]]:
-        """The last ``history_size`` records ``(step, scale used, skipped)``, oldest first. **Syncs.**"""
-        return [(int(s), float(sc), bool(k)) for s, sc, k in self._history_tensor().tolist()]
+    @property
+    def num_steps(self) -> int:
+        """Deprecated name of :attr:`num_updates` (it counts updates, skipped ones included)."""
+        warnings.warn(
+            "LossScaler.num_updates is deprecated: use num_updates",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._num_updates
 
-    def _history_tensor(self) -> torch.Tensor:
-        if self._t is None:  # loaded from a longer ring: the newest history_size, as _lazy_init
-            return self._init["history"][-self._history_size :].clone()
-        n = min(self._num_updates, self._history_size)
-        idx = [(self._num_updates - n + k) % self._history_size for k in range(n)]
-        return self._t["history"][idx].cpu() if idx else torch.zeros(0, 3, dtype=torch.float64)
+    def history(self) -> list[tuple[int, float, bool]]:
+        """The last ``history_size`` records ``(update, scale used, skipped)``, oldest first.
+        **Syncs.**"""
+        return [(int(u), float(s), bool(k)) for u, s, k in self._history_tensor().tolist()]
+
+    def _history_tensor(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, 3]`` float64 CPU rows ``(update, scale used, kind)`` of the kept records.
+        **Syncs** (the records)."""
+        rows = (
+            (self._rows() if self._t is not None else self._init["rows"]).cpu()
+            if rows is None
+            else rows
+        )
+        n = rows.shape[0]
+        out = torch.zeros(n, 3, dtype=torch.float64)
+        if n == 0:
+            return out
+        out[:, 0] = torch.arange(self._num_updates - n + 1, self._num_updates + 1)
+        out[:, 1] = rows[:, rec.SCALE].double()
+        out[:, 2] = torch.tensor(
+            [rec.kind(r, check_loss=self._check_loss) for r in rows.tolist()], dtype=torch.float64
+        )
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Scale and skip counters as Python values, read in one transfer. **Syncs.**"""
-        v = self._values(history=False)
+        if self._t is None:
+            v = self._init
+            rows = v["rows"]
+            last = bool(rows.shape[0] and rows[-1, rec.SKIPPED] > 0)
+            scale, counts = v["scale"], {k: int(v[k]) for k in _BASE}
+        else:
+            read = torch.cat([self._t["scale"].double().reshape(1), self._count_tensor()]).tolist()
+            scale, last = read[0], bool(read[5])
+            counts = dict(zip(_BASE, (int(x) for x in read[1:5]), strict=True))
         return {
-            "scale": float(v["scale"]) if self._enabled else 1.0,
-            "skipped_total": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "last_skipped": bool(v["last_skipped"]),
+            "scale": float(scale) if self._enabled else 1.0,
+            "skipped_total": counts["skipped_total"],
+            "forward_overflows": counts["forward_overflows"],
+            "spikes": counts["spikes"],
+            "consecutive_overflows": counts["consecutive_overflows"],
+            "last_skipped": last,
             "steps": self._num_updates,
         }
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """GradScaler's keys plus hysteresis, bounds, counters and history. **Syncs.**
+        """GradScaler's keys plus hysteresis, bounds, counters, the history and the records.
+        **Syncs.**
 
         Only plain numbers and CPU tensors: loadable with ``torch.load(weights_only=True)``, and
-        by a GradScaler (which reads its five keys). A pure pass-through (disabled,
+        by a GradScaler (which reads its five keys). ``history`` is ``[n, 3]`` rows ``(update,
+        scale used, kind)`` (kind 0 clean, 1 gradient overflow, 2 forward overflow, 3 spike);
+        ``records`` the full ``[n, 6]`` rows (:mod:`.records`). A pure pass-through (disabled,
         ``check_finite=False``) returns ``{}``, as a disabled GradScaler.
         """
         if not self._check_finite:
@@ -805,17 +1009,21 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
             "enabled": self._enabled,
             "skipped_total": int(v["skipped_total"]),
             "forward_overflows": int(v["forward_overflows"]),
+            "spikes": int(v["spikes"]),
             "consecutive_overflows": int(v["consecutive_overflows"]),
-            "last_skipped": int(v["last_skipped"]),
+            "last_skipped": int(bool(v["rows"].shape[0]) and bool(v["rows"][-1, rec.SKIPPED] > 0)),
             "num_updates": self._num_updates,
-            "history": v["history"],
+            "spike_thresholds": list(self._spike),
+            "history": self._history_tensor(v["rows"]),
+            "records": v["rows"].clone(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from ``state_dict()``; a GradScaler state dict is accepted too (counters and
-        history then start from zero). Created device tensors are overwritten in place, so a
-        held ``scaler._scale`` stays live. A disabled scaler ignores an empty dict (what a
-        disabled GradScaler saves); a pure pass-through ignores any."""
+        history then start from zero), and so is one of ampctl 0.2 (``history`` without
+        ``records``). Created device tensors are overwritten in place, so a held
+        ``scaler._scale`` stays live. A disabled scaler ignores an empty dict (what a disabled
+        GradScaler saves); a pure pass-through ignores any."""
         if not self._check_finite:
             return
         if not state_dict:
@@ -844,30 +1052,36 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
         self._min_scale = float(state_dict.get("min_scale", self._min_scale))
         self._max_scale = float(state_dict.get("max_scale", self._max_scale))
-        self._num_updates = int(state_dict.get("num_updates", 0))
         hist = state_dict.get("history")
+        last = (
+            int(torch.as_tensor(hist).reshape(-1, 3)[-1, 0])
+            if hist is not None and len(hist)
+            else 0
+        )
+        self._num_updates = int(state_dict.get("num_updates", last))
+        spike = state_dict.get("spike_thresholds")
+        self._spike = (float(spike[0]), float(spike[1])) if spike else (math.inf, math.inf)
         self._init = {
             "scale": float(state_dict["scale"]) if self._enabled else 1.0,
             "growth_tracker": int(state_dict["_growth_tracker"]),
             "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self._hysteresis)),
-            "skipped_total": int(state_dict.get("skipped_total", 0)),
-            "forward_overflows": int(state_dict.get("forward_overflows", 0)),
-            "consecutive_overflows": int(state_dict.get("consecutive_overflows", 0)),
-            "last_skipped": int(state_dict.get("last_skipped", 0)),
-            "history": (
-                torch.as_tensor(hist, dtype=torch.float64).reshape(-1, 3)
-                if hist is not None
-                else torch.zeros(0, 3, dtype=torch.float64)
-            ),
+            **{k: int(state_dict.get(k, 0)) for k in _BASE},
+            "rows": _saved_rows(state_dict),
         }
+        rows = self._init["rows"][-min(self._num_updates, self._history_size) :]
+        self._init["rows"] = rows = rows if self._num_updates else rows[:0]
+        self._init["base"] = _base_of(self._init, rows, self._check_loss)
         old, self._t = self._t, None
-        self._loss_nonfinite = self._loss_sum = self._last_loss = None
+        self._loss_sum = self._gnorm = self._last_loss = None
+        self._found_taken = False
         self._per_optimizer_states = defaultdict(_fresh_opt_state)
         if old is not None:
-            new = self._lazy_init(old["scale"].device)
-            for k in _SCALARS:  # keep the live tensors, as GradScaler's fill_
-                old[k].copy_(new[k])
-                new[k] = old[k]
+            new = self._lazy_init(old["vec"].device)
+            keys = ("vec", "growth_tracker", "hysteresis_tracker", "history", "base")
+            if all(old[k].shape == new[k].shape for k in keys):
+                for k in keys:  # keep the live tensors (and their views), as GradScaler's fill_
+                    old[k].copy_(new[k])
+                self._t = old
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle / deepcopy between iterations only (as GradScaler): the device state goes as
@@ -881,14 +1095,41 @@ class LossScaler(GradScalerPrivates, torch.cuda.amp.GradScaler):
         state = self.__dict__.copy()
         state["_init"] = self._values()
         state["_t"] = None
-        state["_loss_nonfinite"] = None
-        state["_loss_sum"] = state["_last_loss"] = None
+        state["_loss_sum"] = state["_gnorm"] = state["_last_loss"] = None
         state["reduce_flags"] = None
         state["_per_optimizer_states"] = defaultdict(_fresh_opt_state)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _saved_rows(state: dict[str, Any]) -> torch.Tensor:
+    """The records of a saved state: ``records`` as saved, or (ampctl 0.2) rows standing for its
+    ``(update, scale, kind)`` history."""
+    saved = state.get("records")
+    if saved is not None:
+        return torch.as_tensor(saved, dtype=torch.float32).reshape(-1, len(rec.COLUMNS)).clone()
+    hist = state.get("history")
+    if hist is None:
+        return torch.zeros(0, len(rec.COLUMNS))
+    h = torch.as_tensor(hist, dtype=torch.float64).reshape(-1, 3)
+    return rec.from_kinds([int(k) for k in h[:, 2].tolist()], h[:, 1].tolist(), None)
+
+
+def _base_of(totals: dict[str, Any], rows: torch.Tensor, check_loss: bool) -> list[float]:
+    """The base counters (before ``rows``, the kept records) of saved totals: the totals less
+    what the rows count; the run of skips before them only when every row was skipped."""
+    if rows.shape[0] == 0:
+        return [float(totals[k]) for k in _BASE]
+    c = rec.counts(rows, check_loss=check_loss).tolist()  # CPU values, read at load time
+    run = totals["consecutive_overflows"] - c[3] if c[4] else 0
+    return [
+        totals["skipped_total"] - c[0],
+        totals["forward_overflows"] - c[1],
+        totals["spikes"] - c[2],
+        max(run, 0),
+    ]
 
 
 def _fresh_opt_state() -> dict[str, Any]:

@@ -88,7 +88,7 @@ class AmpctlAcceleratedOptimizer(AcceleratedOptimizer):
         """Whether the last step was skipped: what the scaler read, or with a fused optimizer
         (nothing read) the scaler's device flag, which **syncs**."""
         sc = self.scaler
-        if isinstance(sc, LossScaler) and sc.num_steps > 0:
+        if isinstance(sc, LossScaler) and sc.num_updates > 0:
             read = sc.last_skip_read
             return read if read is not None else sc.last_step_skipped
         return self._is_overflow

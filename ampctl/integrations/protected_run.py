@@ -212,7 +212,7 @@ class ProtectedRun:
         self._started = False
         # the scaler's update count at the last step seen: a call after which it did not change
         # is a micro-batch of gradient accumulation
-        self._updates_seen = self.scaler.num_steps
+        self._updates_seen = self.scaler.num_updates
         self._cur = _Step()
         self._tokens_total = 0
         self._wall_before = 0.0
@@ -280,7 +280,7 @@ class ProtectedRun:
         No host read."""
         self._start(step, resumed_from=resumed_from)
         # everything is loaded and no step of this run has been taken: the scaler's count now
-        self._updates_seen = self.scaler.num_steps
+        self._updates_seen = self.scaler.num_updates
 
     def attach(self, step: int | None = None, *, resumed_from: str | Path | None = None):
         """:meth:`start` for a loop without a ``with`` block (``while True:``); :meth:`detach`
@@ -337,8 +337,14 @@ class ProtectedRun:
         self._early_events.clear()
         self._step = step
         self._t0 = time.perf_counter()
+        self.window = LogWindow(first_update=self.scaler.num_updates - self._updates_taken())
         self.protection.start(step)
         self._started = True
+
+    def _updates_taken(self) -> int:
+        """Updates of this run the scaler recorded before :meth:`start` ran (0, or 1 when the
+        first ``after_step`` started the run)."""
+        return self.scaler.num_updates - self._updates_seen
 
     def _restore_scaler(self, layout: RunLayout, step: int) -> float | None:
         """A resume whose scaler was not restored (it recorded no step before this run's: the
@@ -346,8 +352,8 @@ class ProtectedRun:
         folder wrote at or before ``step``, and its skip counters added to this run's. The
         growth tracker starts again from 0. Returns the scale taken, or None."""
         sc = self.scaler
-        taken = sc.num_steps - self._updates_seen  # steps of this run already recorded (0 or 1)
-        if sc.num_steps != taken or not sc.is_enabled():
+        taken = self._updates_taken()  # steps of this run already recorded (0 or 1)
+        if sc.num_updates != taken or not sc.is_enabled():
             return None
         rows = [r for r in read_jsonl(layout.metrics) if isinstance(r.get("step"), int)]
         rows = [r for r in rows if r["step"] <= step and is_finite_number(r.get("scale"))]
@@ -461,7 +467,7 @@ class ProtectedRun:
         if self.fused:
             return None
         sc = self.scaler
-        scale = sc.recent_history(1)[0, 1].float() if sc.is_enabled() else 1.0
+        scale = sc.recent_records(1)[0, 0] if sc.is_enabled() else 1.0
         grads = [p.grad for p in self.precision.optimizer_params(self.model)]
         return grad_stats(grads, scale, self._device())
 
@@ -492,7 +498,7 @@ class ProtectedRun:
             # follow the run's first update already
             self._start(None if step is None or self._step else max(int(step) - 1, 0))
         self.add_batch(loss, batch, tokens=tokens)
-        n = self.scaler.num_steps
+        n = self.scaler.num_updates
         if n == self._updates_seen:
             return None
         self._updates_seen = n
@@ -503,8 +509,9 @@ class ProtectedRun:
             skipped = self.scaler.last_step_skipped  # syncs (the caller reads it anyway)
         cur, self._cur = self._cur, _Step()
         self._tokens_total += cur.tokens
-        step_loss = _scalar(self.scaler.last_step_loss)
-        self.window.add_step(step_loss if step_loss is not None else cur.loss, cur.tokens)
+        self.window.tokens += cur.tokens
+        if self.scaler.last_step_loss is None and cur.loss is not None:
+            self.window.add(cur.loss)  # the scaler saw no loss: the ones handed over
         log = self._is_log(step)
         stats = cur.stats if cur.stats_step == step else None
         if log and stats is None:
@@ -529,12 +536,11 @@ class ProtectedRun:
             scaler=self.scaler,
             overflow_window=self.overflow_window,
             lr=lr if lr is not None else _copy(self.optimizer.param_groups[0]["lr"]),
-            pending=self.protection.pending_reads(),
+            protection=self.protection,
         )
         v = fig.read()  # the log read
-        window, self.window = self.window, LogWindow()
-        if "pending_decisions" in v:
-            self._apply(self.protection.on_read(v["pending_decisions"]))
+        window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
+        self._apply(self.protection.on_log_read(v))
         row = metrics_row(
             v,
             step=step,
@@ -622,7 +628,7 @@ class ProtectedRun:
         ``weights_only`` safe). No host read."""
         return {
             "step": self._step,
-            "updates": self.scaler.num_steps,
+            "updates": self.scaler.num_updates,
             "protection": self.protection.state_dict(),
             "tokens": self._tokens_total,
             "wall_s": self._elapsed(),
@@ -643,7 +649,7 @@ class ProtectedRun:
             )
         self._step = int(state.get("step", 0))
         # the scaler restored from the same checkpoint has this count
-        self._updates_seen = int(state.get("updates", self.scaler.num_steps))
+        self._updates_seen = int(state.get("updates", self.scaler.num_updates))
         self._resumed_from = resumed_from
         self.protection.load_state_dict(dict(state.get("protection", state.get("guard", {}))))
         self._tokens_total = int(state.get("tokens", 0))

@@ -44,7 +44,7 @@ rode on the loop's log read (:meth:`Protection.after_log`): no read of their own
 
 from __future__ import annotations
 
-import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampctl.amp import records as rec
 from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
 from ampctl.amp.guard import Action, Decision, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
@@ -61,6 +62,8 @@ from ampctl.amp.precision import Precision, bf16_supported
 from ampctl.amp.scaler import LossScaler
 from ampctl.protect.loss import ForwardLoss, default_forward
 from ampctl.protect.settings import GuardConfig
+from ampctl.protect.snapshot import Snapshot
+from ampctl.protect.spike import SpikeRule
 from ampctl.protect.switch import switch_precision
 
 __all__ = ["Protection", "Rewind", "TrainAborted"]
@@ -87,16 +90,6 @@ class Rewind:
 
 
 _ASK = object()  # take_snapshot: ask the loop for its position
-
-
-@dataclass
-class _Snapshot:
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scale: torch.Tensor  # device copy: taking a snapshot reads nothing on the host
-    master: list[torch.Tensor] | None
-    progress: Any
 
 
 @dataclass
@@ -167,11 +160,20 @@ class Protection:
         self.rebuild_optimizer = rebuild_optimizer
         self.dist = dist
         self.fallback_unavailable = fallback_unavailable
-        self.snapshot: _Snapshot | None = None
+        self.snapshot: Snapshot | None = None
         self._clean_since_snapshot = 0
         self._pending: list[_Pending] = []
         self._step = 0  # the last step seen
         self.fp8_health = Fp8Health(self.config.fp8_rules)
+        c = self.config
+        self.spike = SpikeRule(
+            z=c.spike_z,
+            window=c.spike_window,
+            min_steps=c.spike_min_steps,
+            grad_norm=c.spike_grad_norm,
+            enabled=c.enabled and c.spike,
+        )
+        self._read_end = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -225,34 +227,53 @@ class Protection:
         if not self.enabled:
             return None
         if skipped is None:  # decided at the next read
-            self._pending.append(_Pending(self.scaler.num_steps, step, batches))
+            self._pending.append(_Pending(self.scaler.num_updates, step, batches))
             return None
         if not skipped:
-            self._observe(step, skipped=False)
+            self._observe(step, kind=rec.CLEAN)
             self._maybe_snapshot(step)
             return None
-        # one read for the skipped step: its kind and the scale after it, with attribution
-        names, kind, scale_after = self._attribute()
+        # one read for the skipped step: its record and the scale after it, with attribution
+        names, record, scale_after = self._attribute()
         return self._observe(
             step,
-            skipped=True,
-            forward=kind == 2,
+            kind=rec.kind(record, check_loss=self.scaler.check_loss),
+            record=record,
             scale_after=scale_after,
             names=names,
             batches=batches,
         )
 
+    # ------------------------------------------------------------------ the log read
+    def log_figures(self, fig: Any) -> None:
+        """Add what the protection needs from the log step's one read: the waiting decisions
+        (fused path) and the spike rule's window. No host read."""
+        pending = self.pending_reads()
+        if pending is not None:
+            fig.add("pending_decisions", pending, vector=True)
+        self.spike.figures(fig, self.scaler)
+
+    def on_log_read(self, values: dict[str, Any]) -> Rewind | None:
+        """After the log read: new spike thresholds from the window, then the waiting decisions
+        (:meth:`on_read`: may restore a snapshot, switch precision or raise
+        :class:`TrainAborted`). No host read of its own."""
+        self.spike.on_read(values, self.scaler)
+        pending = values.get("pending_decisions")
+        return self.on_read(pending) if pending is not None else None
+
     # ------------------------------------------------------------------ the fused path
     def pending_reads(self) -> torch.Tensor | None:
         """What the decisions still waiting need from the device (fused path), as one flat
-        float64 device tensor to read together with the caller's own figures; None when nothing
-        waits. No host read."""
+        float64 device tensor to read together with the caller's own figures: the scale now and
+        the step records since the first waiting step; None when nothing waits. No host read."""
         if not self._pending:
             return None
-        n = self.scaler.num_steps - self._pending[0].update + 1
-        rows = self.scaler.recent_history(n).double().reshape(-1)
-        scale = self.scaler.device_counters()["scale"].double().reshape(1)
-        return torch.cat([scale, rows])
+        sc = self.scaler
+        n = sc.num_updates - self._pending[0].update + 1
+        rows = sc.recent_records(n)
+        self._read_end = sc.num_updates  # the records end at this update
+        scale = sc.get_scale_tensor()
+        return torch.cat([scale.double().reshape(1), rows.double().reshape(-1)])
 
     def on_read(self, values: list[float]) -> Rewind | None:
         """Take the waiting decisions from the values of :meth:`pending_reads` (read by the
@@ -262,8 +283,10 @@ class Protection:
         if not pending:
             return None
         scale_now, flat = values[0], values[1:]
-        rows = [flat[i : i + 3] for i in range(0, len(flat), 3)]
-        by_update = {int(r[0]): r for r in rows}
+        width = len(rec.COLUMNS)
+        rows = [flat[i : i + width] for i in range(0, len(flat), width)]
+        first = self._read_end - len(rows) + 1  # the update number of rows[0]
+        by_update = {first + i: r for i, r in enumerate(rows)}
         if len(rows) < len(pending):
             self.emit(
                 pending[-1].step,
@@ -276,13 +299,12 @@ class Protection:
             row = by_update.get(p.update)
             if row is None:
                 continue
-            kind = int(row[2])
             nxt = by_update.get(p.update + 1)
-            scale_after = nxt[1] if nxt is not None else scale_now
+            scale_after = nxt[rec.SCALE] if nxt is not None else scale_now
             rewind = self._observe(
                 p.step,
-                skipped=kind > 0,
-                forward=kind == 2,
+                kind=rec.kind(row, check_loss=self.scaler.check_loss),
+                record=row,
                 scale_after=scale_after,
                 names=None,
                 batches=p.batches,
@@ -378,13 +400,14 @@ class Protection:
         return True
 
     # ------------------------------------------------------------------ deciding
-    def _attribute(self) -> tuple[list[str] | None, int, float]:
+    def _attribute(self) -> tuple[list[str] | None, list[float], float]:
         """Names of the non-finite gradients (up to ``attribution_limit``; None when attribution
-        is off), the kind of the last overflow (1 gradient, 2 forward) and the scale after the
-        step. **Syncs** once: everything in one transfer."""
+        is off), the last step's record and the scale after the step. **Syncs** once:
+        everything in one transfer."""
+        sc = self.scaler
         figures = [
-            self.scaler.recent_history(1).double().reshape(-1)[2:],
-            self.scaler.device_counters()["scale"].double().reshape(1),
+            sc.recent_records(1).double().reshape(-1),
+            sc.get_scale_tensor().double().reshape(1),
         ]
         names: list[str] = []
         if self.config.attribution:
@@ -394,25 +417,33 @@ class Protection:
             if flags is not None:
                 figures.append(flags.double().to(figures[0].device))
         vals = torch.cat(figures).tolist()
-        kind, scale_after = int(vals[0]), float(vals[1])
+        width = len(rec.COLUMNS)
+        record, scale_after = vals[:width], float(vals[width])
         if not self.config.attribution:
-            return None, kind, scale_after
-        return names_flagged(names, vals[2:], self.config.attribution_limit), kind, scale_after
+            return None, record, scale_after
+        limit = self.config.attribution_limit
+        return names_flagged(names, vals[width + 1 :], limit), record, scale_after
 
     def _observe(
         self,
         step: int,
         *,
-        skipped: bool,
-        forward: bool = False,
+        kind: int,
+        record: list[float] | None = None,
         scale_after: float = 0.0,
         names: list[str] | None = None,
         batches: list[dict[str, torch.Tensor]] | None = None,
         late_by: int | None = None,
         ran_after: int = 0,
     ) -> Rewind | None:
+        skipped = kind != rec.CLEAN
+        forward = kind == rec.FORWARD
+        if skipped and kind in (rec.FORWARD, rec.SPIKE) and record is not None:
+            scale_after = self._keep_scale(record[rec.SCALE], scale_after)
         at_floor = skipped and self.scaler.is_enabled() and scale_after <= self.scaler.min_scale
-        if skipped:
+        if kind == rec.SPIKE:
+            self._spike_event(step, record, scale_after, late_by)
+        elif skipped:
             self._overflow_event(step, forward, scale_after, names, late_by)
             if forward and self.config.locate_forward and batches:
                 self._locate_and_promote(step, batches, late_by)
@@ -423,12 +454,47 @@ class Protection:
         decision = self.guard.observe(
             step=step,
             skipped=skipped,
-            forward_overflow=forward,
+            forward_overflow=forward or kind == rec.SPIKE,
             at_floor=at_floor,
             precision=self.precision.name,
             bf16_ok=bf16_supported(self._device()),
         )
         return self._apply(decision, step, scale_after, ran_after)
+
+    def _keep_scale(self, used: float, after: float) -> float:
+        """A forward overflow or a spike backed the scale off (the scaler's rule cannot tell it
+        from a gradient overflow), though a smaller scale cures neither: put the factor back on
+        the scale as it is now. Returns the scale after the step as kept. No host read (the
+        scale rides on the caller's read)."""
+        if not self.scaler.is_enabled() or not (0 < after < used):
+            return after
+        self.scaler.restore_scale(used / after)
+        return used
+
+    def _spike_event(
+        self, step: int, record: list[float] | None, scale: float, late_by: int | None
+    ) -> None:
+        """A step the spike rule vetoed: its loss (or gradient norm), the threshold and the
+        z-scores against the window the threshold came from."""
+        r = record or [float("nan")] * len(rec.COLUMNS)
+        extra: dict[str, Any] = {
+            "loss": r[rec.LOSS],
+            "loss_threshold": r[rec.LOSS_THR],
+            "grad_norm": r[rec.GNORM],
+            "grad_norm_threshold": r[rec.GNORM_THR],
+            "scale": scale,
+            **self.spike.z_scores(r[rec.LOSS], r[rec.GNORM]),
+        }
+        what = (
+            f"loss {r[rec.LOSS]:.4g} > {r[rec.LOSS_THR]:.4g}"
+            if math.isfinite(r[rec.LOSS]) and r[rec.LOSS] > r[rec.LOSS_THR]
+            else f"grad norm {r[rec.GNORM]:.4g} > {r[rec.GNORM_THR]:.4g}"
+        )
+        z = extra.get("loss_z") if "loss" in what else extra.get("grad_norm_z")
+        zs = f" (z = {z:.1f})" if isinstance(z, float) and math.isfinite(z) else ""
+        if late_by:
+            extra["decided_at_step"] = step + late_by
+        self.emit(step, "spike", f"spike, step skipped: {what}{zs}", **extra)
 
     def _overflow_event(
         self,
@@ -578,20 +644,23 @@ class Protection:
 
     def take_snapshot(self, step: int, *, progress: Any = _ASK) -> None:
         """Keep the current (good) state in memory for rollback, with the loop's position
-        (``progress``; by default what ``progress_state()`` returns now). Device copies, no host
-        read."""
+        (``progress``; by default what ``progress_state()`` returns now): one foreach copy per
+        (device, dtype) group into buffers allocated once (:mod:`~ampctl.protect.snapshot`).
+        No host read."""
         if progress is _ASK:
             progress = self.progress_state() if self.progress_state is not None else None
-        self.snapshot = _Snapshot(
-            step=step,
-            model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            optimizer=_clone_state(self.optimizer.state_dict()),
-            scale=self.scaler.get_scale_tensor().clone()
-            if self.scaler.get_scale_tensor() is not None
-            else torch.tensor(self.scaler.get_scale()),
-            master=[m.detach().clone() for m in self.precision.master.params]
-            if self.precision.master is not None
-            else None,
+        scale = self.scaler.get_scale_tensor()
+        if scale is None:  # before the first scale(): the scale the state will start from
+            scale = torch.tensor(self.scaler.get_scale(), dtype=torch.float32)
+        if self.snapshot is None:
+            self.snapshot = Snapshot()
+        master = self.precision.master
+        self.snapshot.take(
+            step,
+            self.model,
+            self.optimizer,
+            masters=master.params if master is not None else None,
+            scale=scale,
             progress=progress,
         )
         self._clean_since_snapshot = 0
@@ -604,15 +673,11 @@ class Protection:
         ):
             self.take_snapshot(step)
 
-    def restore(self, snap: _Snapshot) -> None:
+    def restore(self, snap: Snapshot) -> None:
         """Put the snapshot's weights, masters and optimizer state back (the scale is the
         caller's decision, the loop's position the loop's: see :class:`Rewind`). No host read."""
-        self.model.load_state_dict(snap.model)
-        if snap.master is not None and self.precision.master is not None:
-            with torch.no_grad():
-                for m, v in zip(self.precision.master.params, snap.master, strict=True):
-                    m.copy_(v)
-        self.optimizer.load_state_dict(_clone_state(snap.optimizer))
+        master = self.precision.master
+        snap.restore(self.model, self.optimizer, master.params if master is not None else None)
 
     def switch_precision(self, name: str, *, scale: float | None = None) -> None:
         """Move the run to precision ``name`` in place, keeping weights, optimizer state,
@@ -629,23 +694,10 @@ class Protection:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The guard's host-side history (the snapshot is not saved: a checkpoint is one)."""
-        return self.guard.state_dict()
+        """The guard's host-side history and the spike rule's window statistics (the snapshot
+        is not saved: a checkpoint is one)."""
+        return {**self.guard.state_dict(), "spike": self.spike.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
-
-
-def _clone_state(obj: Any) -> Any:
-    """A copy of a (nested) state dict whose tensors are cloned on their device: what
-    ``copy.deepcopy`` gives, without its per-object bookkeeping (a snapshot of the optimizer
-    state is taken every ``guard.snapshot_every`` steps). No host read."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone_state(v) for v in obj)
-    return copy.deepcopy(obj)
+        self.spike.load_state_dict(state.get("spike") or {}, self.scaler)

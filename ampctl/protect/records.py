@@ -85,7 +85,7 @@ def metrics_row(
     the interval's tokens and wall time; ``tokens_per_s`` is None when no tokens were counted.
     Gradient figures are None on a row without gradient statistics; the activation-gradient
     fractions are None unless a probe measured them."""
-    n = scaler.num_steps
+    n = scaler.num_updates
     v = values
     row: dict[str, Any] = {
         "step": step,

@@ -35,6 +35,13 @@ class GuardConfig(GuardRules):
     fp8_sat_threshold: float = 0.10
     fp8_under_threshold: float = 0.01
     fp8_patience: int = 3
+    # the spike rule (protect/spike.py): skip a step whose loss (or grad norm) is more than
+    # spike_z standard deviations above the mean of the last spike_window clean steps
+    spike: bool = True
+    spike_z: float = 6.0
+    spike_window: int = 128
+    spike_min_steps: int | None = None  # clean steps before the rule acts (None: spike_window)
+    spike_grad_norm: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +80,36 @@ class GuardConfig(GuardRules):
             list(self.fallback_chain),
             f"a list of {', '.join(PRECISIONS)}",
         )
+        need(isinstance(self.spike, bool), self, "spike", self.spike, "true or false")
+        need(
+            is_finite(self.spike_z) and self.spike_z > 0,
+            self,
+            "spike_z",
+            self.spike_z,
+            "a number > 0 (standard deviations above the window's mean)",
+        )
+        need(
+            is_int(self.spike_window) and 2 <= self.spike_window <= 4096,
+            self,
+            "spike_window",
+            self.spike_window,
+            "an integer in [2, 4096] (clean steps; at most scaler.history_size are kept)",
+        )
+        need(
+            self.spike_min_steps is None
+            or (is_int(self.spike_min_steps) and 2 <= self.spike_min_steps <= self.spike_window),
+            self,
+            "spike_min_steps",
+            self.spike_min_steps,
+            f"null or an integer in [2, spike_window={self.spike_window}]",
+        )
+        need(
+            isinstance(self.spike_grad_norm, bool),
+            self,
+            "spike_grad_norm",
+            self.spike_grad_norm,
+            "true or false",
+        )
         need(
             is_int(self.snapshot_every) and self.snapshot_every >= 0,
             self,
@@ -102,8 +139,17 @@ class LoggingConfig:
     tensorboard: bool = False
     plot: bool = True
     act_grads: bool = True
+    # leaf modules the probe hooks per log step, in turn (0: all of them, every log step)
+    act_grad_layers: int = 8
 
     def __post_init__(self) -> None:
         for k in ("tensorboard", "plot", "act_grads"):
             v = getattr(self, k)
             need(isinstance(v, bool), self, k, v, "true or false")
+        need(
+            is_int(self.act_grad_layers) and self.act_grad_layers >= 0,
+            self,
+            "act_grad_layers",
+            self.act_grad_layers,
+            "an integer >= 0 (0: every leaf module on every log step)",
+        )

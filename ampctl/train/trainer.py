@@ -94,7 +94,6 @@ class TrainResult:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # mean loss of the step's micro-batches (device)
     skipped: bool | None  # as the scaler read it; None when nothing was read (fused optimizer)
     batches: list[dict[str, torch.Tensor]]
     stats: dict[str, torch.Tensor] | None  # gradient statistics (log steps)
@@ -160,12 +159,13 @@ class Trainer:
             dist=self.ctx,
         )
         # figures sampled on log steps (see metrics.Probe)
-        self.probes: list[Probe] = [ActGradProbe()] if cfg.logging.act_grads else []
+        layers = cfg.logging.act_grad_layers or None
+        self.probes: list[Probe] = [ActGradProbe(layers)] if cfg.logging.act_grads else []
         self._params_owner: tuple[Any, Any] = (None, None)  # what ``params`` was listed for
         self._params_list: list[nn.Parameter] = []
         self.step = 0
         self.applied: int | torch.Tensor = 0  # optimizer steps applied (drives the lr schedule)
-        self.window = LogWindow()
+        self.window = LogWindow(first_update=self.scaler.num_updates)
         self.last_metrics: dict[str, Any] = {}
         self.failure: str | None = None
         self._stop_signal: int | None = None
@@ -360,7 +360,7 @@ class Trainer:
         precision = self.precision
         self.optimizer.zero_grad(set_to_none=True)
         precision.zero_grad()
-        batches, loss_total = [], None
+        batches = []
         probes = self.active_probes() if log else []
         # hooks need the eager module: a compiled graph does not run hooks added after tracing
         fwd = self.compiled if self.compiled is not None and not probes else self.fwd_model
@@ -374,7 +374,6 @@ class Trainer:
                 with no_sync(self.fwd_model, self.ctx, last=i == accum - 1):
                     loss = self._forward_loss(fwd, batch) / accum
                     precision.backward(loss)
-                loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         precision.after_backward()
         if self.fault is not None:
             self.fault(self, self.step + 1, "after_backward")
@@ -384,7 +383,10 @@ class Trainer:
             scale_t = self.scaler.get_scale_tensor() if self.scaler.is_enabled() else 1.0
             stats = grad_stats((p.grad for p in self.params), scale_t, self.device)
         if self.cfg.optim.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.clip_grad_norm, foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.params, self.cfg.optim.clip_grad_norm, foreach=True
+            )
+            self.scaler.report_grad_norm(norm)  # recorded; the spike rule's second figure
         self._set_lr()
         skipped = precision.optimizer_step(self.optimizer)
         self.step += 1
@@ -392,9 +394,9 @@ class Trainer:
         if skipped is False:
             self.applied += 1
         elif skipped is None:  # fused: the step counts unless the scaler skipped it (device)
-            self.applied = self.applied + (1 - self.scaler.device_counters()["last_skipped"])
-        self.window.add(loss_total, self.tokens_per_step)
-        return StepOutput(loss=loss_total, skipped=skipped, batches=batches, stats=stats)
+            self.applied = self.applied + (1 - self.scaler.skip_flag())
+        self.window.tokens += self.tokens_per_step  # its loss is the scaler's record
+        return StepOutput(skipped=skipped, batches=batches, stats=stats)
 
     def _forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.precision.autocast():
@@ -426,9 +428,8 @@ class Trainer:
         if vals["stop"] > 0 and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         self._stop_agreed = vals["stop"] > 0
-        window, self.window = self.window, LogWindow()
-        pending = vals.get("pending_decisions")
-        rewind = self.protection.on_read(pending) if pending is not None else None
+        window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
+        rewind = self.protection.on_log_read(vals)
         if rewind is not None:  # a late rollback discarded the interval's steps
             self.apply_rewind(rewind)
             return None
@@ -460,7 +461,7 @@ class Trainer:
             overflow_window=self.cfg.trainer.overflow_window,
             lr=self.optimizer.param_groups[0]["lr"],
             probes=probes,
-            pending=self.protection.pending_reads(),
+            protection=self.protection,
             # FSDP's gradients are sharded: combine over ranks; DDP's are already all-reduced
             sharded=self.ctx.enabled and self.ctx.strategy == "fsdp",
         )
@@ -488,7 +489,7 @@ class Trainer:
             self.applied = a.clone() if isinstance(a, torch.Tensor) else a
             self.data.load_state_dict(pos["data"])
             set_rng_state(pos["rng"])
-        self.window = LogWindow()
+        self.window = LogWindow(first_update=self.scaler.num_updates)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:

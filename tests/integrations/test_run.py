@@ -139,7 +139,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
                 assert run.after_step(loss, batch) is None or (step, i) in ((1, 1), (3, 1))
             step_losses.append(total)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [2, 4] and run.step == 4 and scaler.num_steps == 4
+    assert [r["step"] for r in rows] == [2, 4] and run.step == 4 and scaler.num_updates == 4
     assert rows[0]["loss"] == pytest.approx(sum(step_losses[:2]) / 2, rel=1e-5)
     assert rows[1]["loss"] == pytest.approx(sum(step_losses[2:]) / 2, rel=1e-5)
 

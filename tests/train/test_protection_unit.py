@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from ampctl.amp import records as rec
 from ampctl.amp.checks import FieldError
 from ampctl.amp.guard import GuardRules
 from ampctl.amp.precision import PRECISIONS, make_precision
@@ -164,6 +165,14 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _records(reads: torch.Tensor) -> tuple[float, list[tuple[float, float]]]:
+    """A pending read as (scale now, [(scale used, skipped) per step record])."""
+    vals = reads.tolist()
+    w = len(rec.COLUMNS)
+    rows = [vals[1 + i : 1 + i + w] for i in range(0, len(vals) - 1, w)]
+    return vals[0], [(r[rec.SCALE], r[rec.SKIPPED]) for r in rows]
+
+
 def _strip(ev: dict) -> dict:
     return {k: v for k, v in ev.items() if k != "time"}
 
@@ -212,13 +221,17 @@ def test_clean_steps_emit_nothing_and_refresh_the_snapshot_every_n_steps():
     assert loop.prot.events == [] and loop.emitted == []
     saved = loop.state()
     snap = loop.prot.snapshot
-    assert _same(snap.model, saved["model"]) and _same(snap.optimizer, saved["optimizer"])
-    assert snap.progress == {"step": 4, "seen": 32} and snap.master is None
-    loop.step()
-    assert loop.prot.snapshot is snap
+    assert _same(snap.model_state(), saved["model"])
+    assert _same(snap.optimizer_state(), saved["optimizer"])
+    assert snap.progress == {"step": 4, "seen": 32} and snap.masters() is None
     loop.step()  # the snapshot holds copies: training on does not change it
-    assert loop.prot.snapshot is not snap and loop.prot.snapshot.step == 6
-    assert _same(snap.model, saved["model"]) and _same(snap.optimizer, saved["optimizer"])
+    assert snap.step == 4 and _same(snap.model_state(), saved["model"])
+    assert _same(snap.optimizer_state(), saved["optimizer"])
+    loop.step()  # refreshed in place, into the same buffers
+    now = loop.state()
+    assert loop.prot.snapshot is snap and snap.step == 6
+    assert _same(snap.model_state(), now["model"]) and not _same(now["model"], saved["model"])
+    assert _same(snap.optimizer_state(), now["optimizer"])
 
 
 def test_a_skipped_step_does_not_count_towards_the_next_snapshot():
@@ -374,7 +387,7 @@ def test_rollback_restores_fp16_pure_masters():
     loop = Loop("fp16-pure", snapshot_every=1, rollback_after=2)
     loop.step()
     masters = [m.detach().clone() for m in loop.prot.precision.master.params]
-    assert _same(loop.prot.snapshot.master, masters)
+    assert _same(loop.prot.snapshot.masters(), masters)
     loop.step()
     loop.step(plant=("head.weight",))
     loop.step(plant=("head.weight",))
@@ -669,14 +682,10 @@ def test_fused_path_decides_at_the_read_with_the_same_steps():
     assert loop.prot.events == []
     reads = loop.prot.pending_reads()
     assert reads.dtype == torch.float64
-    assert reads.tolist() == [
+    assert _records(reads) == (
         128.0,
-        *(1.0, 1024.0, 0.0),
-        *(2.0, 1024.0, 1.0),
-        *(3.0, 512.0, 1.0),
-        *(4.0, 256.0, 1.0),
-        *(5.0, 128.0, 0.0),
-    ]
+        [(1024.0, 0.0), (1024.0, 1.0), (512.0, 1.0), (256.0, 1.0), (128.0, 0.0)],
+    )  # the scale now, then (scale used, skipped) of each step since the first waiting one
     loop.apply(loop.prot.on_read(reads.tolist()))
     assert loop.kinds() == ["overflow", "overflow", "overflow", "rollback"]
     first = loop.prot.events[0]
@@ -716,11 +725,10 @@ def test_fused_path_snapshots_only_at_a_clean_read_far_enough_apart():
     assert loop.prot.snapshot.step == 3  # exactly 3
     loop.step()
     loop.step()
-    assert loop.prot.pending_reads().tolist() == [
+    assert _records(loop.prot.pending_reads()) == (
         1024.0,
-        *(4.0, 1024.0, 0.0),
-        *(5.0, 1024.0, 0.0),
-    ]  # only the steps since the last read
+        [(1024.0, 0.0), (1024.0, 0.0)],
+    )  # only the steps since the last read
     loop.sync()
     assert loop.prot.snapshot.step == 3  # 2 steps since the snapshot
     loop.step()
@@ -837,13 +845,25 @@ def test_device_of_the_protection():
     assert prot._device() == torch.device("cpu")  # the scaler's state wins
 
 
-def test_state_dict_is_the_guards_history():
+def test_state_dict_is_the_guards_history_and_the_spike_window():
     loop = Loop(rollback_after=0)
     loop.step(plant=("head.weight",))
-    assert loop.prot.state_dict() == {"window": [1], "consecutive": 1, "rollbacks": 0}
+    assert loop.prot.state_dict() == {
+        "window": [1],
+        "consecutive": 1,
+        "rollbacks": 0,
+        "spike": {"loss": None, "norm": None},  # no window statistics yet
+    }
     other = Loop()
-    other.prot.load_state_dict({"window": [0, 1], "consecutive": 1, "rollbacks": 2})
+    other.prot.load_state_dict(
+        {"window": [0, 1], "consecutive": 1, "rollbacks": 2, "spike": {"loss": [2.0, 0.5, 9]}}
+    )
     assert other.prot.guard.state_dict() == {"window": [0, 1], "consecutive": 1, "rollbacks": 2}
+    # a resumed run judges spikes from its first step: the threshold is back on the scaler
+    assert other.prot.scaler.spike_thresholds == (2.0 + 6.0 * 0.5, float("inf"))
+    old = Loop()
+    old.prot.load_state_dict({"window": [1], "consecutive": 1, "rollbacks": 0})  # ampctl 0.2
+    assert old.prot.scaler.spike_thresholds == (float("inf"), float("inf"))
 
 
 def test_start_keeps_an_existing_snapshot_and_sets_the_step():
