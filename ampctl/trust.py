@@ -64,6 +64,7 @@ __all__ = [
     "memory_limit",
     "max_memory",
     "check_memory",
+    "torch_file_sizes",
 ]
 
 SHIPPED_MODEL_MODULE = "ampctl.train.models"
@@ -356,3 +357,41 @@ def check_memory(need: int, *, what: str, flag: str | None = "--max-memory") -> 
         f"{what} needs about {human_size(need)} of memory, more than the {human_size(limit)} "
         f"allowed ({source}): nothing was allocated{hint}"
     )
+
+
+_STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
+
+
+def torch_file_sizes(path: str | Path) -> tuple[int, int]:
+    """``(bytes, largest)``: what ``torch.load`` of ``path`` will allocate for tensor storages
+    in all, and its largest storage, read from the zip archive's directory (nothing is
+    unpickled); a legacy (non-zip) file counts its own size. The pickle of a zip archive
+    counts ten times its size (the Python objects it builds). Raises :class:`FileRefused` for
+    a record that claims more bytes than the file holds (a tensor header larger than the file).
+    """
+    import zipfile
+
+    p = Path(path)
+    size = checked_file(p).st_size
+    try:
+        if not zipfile.is_zipfile(p):
+            return size, size
+        with zipfile.ZipFile(p) as z:
+            infos = z.infolist()
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        raise FileRefused(p, f"is not a readable zip archive: {e}") from None
+    total = largest = 0
+    for info in infos:
+        if info.header_offset + info.compress_size > size:
+            raise FileRefused(
+                p,
+                f"its record {info.filename!r} claims {human_size(info.compress_size)} at byte "
+                f"{info.header_offset}, beyond the end of the {human_size(size)} file (a tensor "
+                "header larger than the file): not read",
+            )
+        if _STORAGE_RECORD.search(info.filename):
+            total += info.file_size
+            largest = max(largest, info.file_size)
+        elif info.filename.endswith(".pkl"):
+            total += 10 * info.file_size
+    return total, largest
