@@ -35,7 +35,7 @@ import os
 import re
 import resource
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ __all__ = [
     "max_memory",
     "check_memory",
     "torch_file_sizes",
+    "check_model_fits",
 ]
 
 SHIPPED_MODEL_MODULE = "ampctl.train.models"
@@ -395,3 +396,58 @@ def torch_file_sizes(path: str | Path) -> tuple[int, int]:
         elif info.filename.endswith(".pkl"):
             total += 10 * info.file_size
     return total, largest
+
+
+def check_model_fits(
+    build: Callable[[], Any],
+    state: dict[str, Any],
+    *,
+    source: str,
+    factor: float = 4.0,
+    extra: int = 0,
+    flag: str | None = "--max-memory",
+    may_lack: Callable[[str], bool] | None = None,
+) -> None:
+    """Before a model is built from a saved config for a checkpoint's tensors: build it on the
+    meta device (no memory), refuse when its parameters and buffers differ in name or shape
+    from the checkpoint's ``state`` (the config's dimensions are checked against the tensors,
+    not believed), then check ``factor`` times its bytes plus ``extra`` against the memory
+    limit. ``may_lack``: names the checkpoint need not hold (tied weights). A model that cannot
+    be built on the meta device (code of the user's own, allowed by
+    ``--trust-code``) is not checked here. Raises :class:`ResourceRefused`."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = build()
+        expected = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - not buildable on meta: the real build says why
+        return
+    bad = [
+        (k, tuple(v.shape), tuple(state[k].shape))
+        for k, v in expected.items()
+        if isinstance(state.get(k), torch.Tensor) and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if bad:
+        k, want, have = bad[0]
+        raise ResourceRefused(
+            f"{source}: the saved config's model does not match the checkpoint's tensors: it "
+            f"builds {k} as {list(want)}, the checkpoint holds {list(have)}"
+            + (f" ({len(bad)} tensors differ)" if len(bad) > 1 else "")
+            + "; nothing was allocated"
+        )
+    missing = [
+        k
+        for k in expected
+        if not isinstance(state.get(k), torch.Tensor) and not (may_lack and may_lack(k))
+    ]
+    if missing:
+        raise ResourceRefused(
+            f"{source}: the saved config's model has {len(missing)} tensor(s) the checkpoint "
+            f"does not hold (first {missing[0]}): the config does not match the checkpoint; "
+            "nothing was allocated"
+        )
+    size = sum(v.numel() * v.element_size() for v in expected.values())
+    check_memory(int(factor * size) + extra, what=f"{source}: the model", flag=flag)

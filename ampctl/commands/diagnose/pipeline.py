@@ -169,6 +169,7 @@ def _replay(
     dev: torch.device,
     batches: int,
     data_file: Path | None,
+    trust_code: bool,
 ) -> dict[str, Any]:
     if any(p["kind"] in ("nonfinite_weights", "nonfinite_master") for p in problems):
         return skipped(
@@ -183,7 +184,15 @@ def _replay(
         if found.format == "ampctl":
             if cfg is None:
                 raise ReplaySkipped(cfg_reason)
-            inp = ampctl_input(found, cfg, precision=precision, device=dev, batches=batches)
+            inp = ampctl_input(
+                found,
+                cfg,
+                precision=precision,
+                device=dev,
+                batches=batches,
+                data_file=data_file,
+                trust_code=trust_code,
+            )
         elif found.model_dir is not None:
             inp = hf_input(
                 found,
@@ -331,6 +340,7 @@ def _diagnose(
         dev=dev,
         batches=batches,
         data_file=data_file,
+        trust_code=trust_code,
     )
     fp8_section = _fp8_of(rep)
     if rep["ran"]:
