@@ -374,14 +374,14 @@ def safetensors_sizes(path: str | Path) -> tuple[int, int]:
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """A ``.safetensors`` file through the ``safetensors`` library (never ``torch.load``),
     after its header is checked against the file's size and the memory limit."""
+    total, largest = safetensors_sizes(path)
+    check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
     try:
         from safetensors.torch import load_file
     except ImportError:
         raise ReaderError(
             f"{str(path)!r}: reading .safetensors {install_hint('safetensors')}"
         ) from None
-    total, largest = safetensors_sizes(path)
-    check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
     try:
         return dict(load_file(str(path), device="cpu"))
     except Exception as e:  # noqa: BLE001 - a damaged file: one line
