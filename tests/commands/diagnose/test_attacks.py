@@ -320,6 +320,21 @@ def test_dcp_tensor_sizes_are_checked_before_allocating(results):
     assert "nothing was allocated" in line
 
 
+@case("dcp-damaged")
+def _(d, run_dir):
+    ckpt = dcp_folder(d / "step-3", {"model": {"w": torch.randn(4, 4)}})
+    for f in ckpt.glob("*.distcp"):
+        f.write_bytes(b"x" * f.stat().st_size)  # right sizes, no torch.save data
+    return diagnose(ckpt)
+
+
+def test_a_damaged_dcp_chunk_is_one_line(results):
+    assert refused(results["dcp-damaged"]).endswith(
+        "/step-3' is not a readable DCP checkpoint: a tensor record is not data "
+        "torch.load(weights_only=True) accepts (damaged?)"
+    )
+
+
 # ---------------------------------------------------------------------------- sizes
 @case("ds-latest")
 def _(d, run_dir):

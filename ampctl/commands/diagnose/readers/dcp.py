@@ -229,6 +229,7 @@ def _load(path: Path, trust_code: bool) -> tuple[dict[str, Any], list[str]]:
     import warnings
 
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -246,11 +247,24 @@ def _load(path: Path, trust_code: bool) -> tuple[dict[str, Any], list[str]]:
             dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)
         except (PickleRefused, ReaderError, FileRefused):
             raise
-        except Exception as e:  # noqa: BLE001 - a damaged checkpoint: one line
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: one line
             raise ReaderError(
-                f"{str(path)!r} is not a readable DCP checkpoint: {first_line(e)}"
+                f"{str(path)!r} is not a readable DCP checkpoint: {_failure(e)}"
             ) from None
     return _nest(md, flat), other
+
+
+def _failure(e: BaseException) -> str:
+    """What went wrong, in one line; DCP wraps each rank's exception in a
+    ``CheckpointException`` (a ``BaseException``) with ``failures = {rank: (exc, trace)}``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) and first else e
+    text = first_line(e)
+    if "Weights only load failed" in text:
+        return "a tensor record is not data torch.load(weights_only=True) accepts (damaged?)"
+    return text
 
 
 def read(path: Path, *, trust_code: bool = False) -> Found:
