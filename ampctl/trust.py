@@ -433,8 +433,8 @@ def check_model_fits(
     if bad:
         k, want, have = bad[0]
         raise ResourceRefused(
-            f"{source}: the saved config's model does not match the checkpoint's tensors: it "
-            f"builds {k} as {list(want)}, the checkpoint holds {list(have)}"
+            f"{source}: does not fit the configured model: the config builds {k} as "
+            f"{list(want)}, the checkpoint holds {list(have)}"
             + (f" ({len(bad)} tensors differ)" if len(bad) > 1 else "")
             + "; nothing was allocated"
         )
@@ -445,9 +445,8 @@ def check_model_fits(
     ]
     if missing:
         raise ResourceRefused(
-            f"{source}: the saved config's model has {len(missing)} tensor(s) the checkpoint "
-            f"does not hold (first {missing[0]}): the config does not match the checkpoint; "
-            "nothing was allocated"
+            f"{source}: does not fit the configured model: the config builds {len(missing)} "
+            f"tensor(s) the checkpoint does not hold (first {missing[0]}); nothing was allocated"
         )
     size = sum(v.numel() * v.element_size() for v in expected.values())
     check_memory(int(factor * size) + extra, what=f"{source}: the model", flag=flag)

@@ -278,20 +278,11 @@ def diagnose(
     from ampctl import trust
 
     with trust.max_memory(max_memory):
-        return _diagnose(
-            path,
-            batches=batches,
-            precision=precision,
-            device=device,
-            fmt=fmt,
-            trust_code=trust_code,
-            data=data,
-        )
+        return _diagnose(path, batches, precision, device, fmt, trust_code, data)
 
 
 def _diagnose(
     path: str | Path,
-    *,
     batches: int,
     precision: str | None,
     device: str,

@@ -297,6 +297,7 @@ def read(path: Path, *, trust_code: bool = False) -> Found:
     found.files.append(FileNote(METADATA, True, "metadata (allow-list unpickler)"))
     found.files += [FileNote(p.name, True, "tensor data") for p in sorted(path.glob("*.distcp"))]
     if unread:
+        unread = sorted(unread, key=lambda fqn: fqn.count("."))  # top-level ones (step) first
         shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
         found.files.append(
             FileNote(
