@@ -217,20 +217,21 @@ def _records(
     """Metrics rows and events up to ``step_limit``; an archived branch is preceded by the main
     line's rows up to the fork."""
     rec = RunRecord.read(run_dir, upto_step=step_limit)
-    metrics, events, notes = list(rec.metrics.rows), list(rec.events.rows), rec.notes()
+    metrics, events = list(rec.metrics.rows), list(rec.events.rows)
     records = [rec]
     if branch is not None and branch["line"] == "archived" and branch["forked_at_step"] is not None:
         main = RunRecord.read(run_dir.parent.parent, upto_step=branch["forked_at_step"])
         metrics = main.metrics.rows + metrics
         events = [e for e in main.events.rows if e.get("kind") != "branch"] + events
-        notes += main.notes()
         records.append(main)
-    unreadable = [
-        (str(path), rows.error)
+    files = [
+        (rows, path)
         for r in records
         for rows, path in ((r.metrics, r.layout.metrics), (r.events, r.layout.events))
-        if rows.error is not None
     ]
+    # lines skipped are a note; a whole file that could not be read is a finding
+    notes = [n for rows, path in files if rows.error is None and (n := rows.note(path))]
+    unreadable = [(str(path), rows.error) for rows, path in files if rows.error is not None]
     return metrics, events, notes, unreadable
 
 
@@ -324,7 +325,7 @@ def run_history(
             ),
             None,
         ),
-        notes=[n for n in notes if ": unreadable: " not in n],
+        notes=notes,
         unreadable=unreadable,
     )
     _trend(out, metrics, first_nan)

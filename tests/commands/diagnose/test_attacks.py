@@ -598,6 +598,26 @@ def test_deep_metrics_line_is_skipped_and_named(results):
     assert any("metrics.jsonl: skipped 1 unreadable line(s)" in n for n in rep["history"]["notes"])
 
 
+@case("metrics-symlink")
+def _(d, run_dir):
+    run = d / "r"
+    shutil.copytree(run_dir, run)
+    secret = d / "secret.jsonl"
+    secret.write_text('{"step": 1, "loss": 0.5}\n')
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(secret)
+    return diagnose(run, "--json", watch=secret)
+
+
+def test_a_run_history_file_that_cannot_be_read_is_a_finding(results):
+    res = results["metrics-symlink"]
+    rep = report(res, 1)
+    assert res.touched == [] and rep["history"]["metrics_rows"] == 0
+    (p,) = [p for p in rep["problems"] if p["kind"] == "unreadable_history"]
+    assert p["message"].startswith("history: metrics.jsonl unreadable: is a symlink to '")
+    assert rep["history"]["notes"] == []  # named once, as the finding
+
+
 @case("raw-pickle")
 def _(d, run_dir):
     (d / "payload.pkl").write_bytes(pickle.dumps(Touch(d / "MARKER"), protocol=4))
