@@ -314,8 +314,19 @@ def diagnose(
         Path | None,
         typer.Option(
             "--data",
-            help="A text file to replay instead of synthetic tokens (Hugging Face checkpoints; "
-            "needs the tokenizer saved beside the checkpoint).",
+            help="Your text to replay: a text file for Hugging Face checkpoints (tokenized by the "
+            "tokenizer saved beside it), a file or folder of .txt for an ampctl data=text run. "
+            "Without it the replay uses synthetic batches of the run's shape and opens no path "
+            "the checkpoint's config names (unless --trust-code).",
+        ),
+    ] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory",
+            help="Memory the checkpoint may take, e.g. 64G (default: 80% of the free memory, "
+            "within the process's address-space limit); estimated before anything is allocated.",
+            show_default=False,
         ),
     ] = None,
     as_json: Annotated[
@@ -333,9 +344,11 @@ def diagnose(
 
     Files are read as data (weights_only=True, safetensors); pickled objects are refused.
 
-    Nothing a checkpoint's config names is imported without --trust-code.
+    Nothing a checkpoint's config names is imported, and no path it names is opened, without
+    --trust-code. Files read whole are capped at 64 MiB; memory is estimated first.
     """
     from ampctl.commands.diagnose import run_diagnose
+    from ampctl.trust import parse_size
 
     _at_least("--batches", batches, 1)
 
@@ -349,6 +362,7 @@ def diagnose(
             fmt=fmt,
             trust_code=trust_code,
             data=data,
+            max_memory=parse_size(max_memory) if max_memory is not None else None,
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

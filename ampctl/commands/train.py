@@ -21,10 +21,17 @@ __all__ = ["run_train", "resume_config"]
 
 def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
     """The checkpoint's config with plain ``key=value`` overrides applied on top (the saved
-    config is data: see :func:`ampctl.config.config_from_saved`)."""
-    return config_from_saved(
-        ckpt["config"], overrides, source=f"checkpoint {ckpt.get('path')}", trust_code=trust_code
-    )
+    config is data: see :func:`ampctl.config.config_from_saved`); its model's dimensions are
+    checked against the checkpoint's tensors before anything is built
+    (:func:`ampctl.trust.check_model_fits`)."""
+    from ampctl.train.builders import build_model
+    from ampctl.trust import check_model_fits
+
+    source = f"checkpoint {ckpt.get('path')}"
+    cfg = config_from_saved(ckpt["config"], overrides, source=source, trust_code=trust_code)
+    state = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
+    check_model_fits(lambda: build_model(cfg.model), state, source=source, flag=None)
+    return cfg
 
 
 def _resume_target(ck: dict[str, Any], name: str | None) -> RunLayout | None:

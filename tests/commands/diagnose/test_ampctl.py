@@ -564,13 +564,13 @@ def _bad_inputs(tmp: Path, base_run: Path) -> dict[str, tuple[Path, str]]:
         "no checkpoint": (empty_dir, "holds no checkpoint diagnose can read"),
         "empty": (tmp / "empty.pt", "is empty (0 bytes)"),
         "truncated": (tmp / "truncated.pt", "is not a readable checkpoint"),
-        "text": (tmp / "notes.txt", "is not a readable checkpoint"),
+        "text": (tmp / "notes.txt", "holds text ('this is not a checkpoint'), not a checkpoint"),
         "incomplete": (
             tmp / "incomplete.pt",
             "lacks model, config: not a complete ampctl checkpoint",
         ),
         "payload": (tmp / "payload.pt", "was refused"),
-        "raw pickle": (tmp / "raw.pkl", ""),
+        "raw pickle": (tmp / "raw.pkl", "was refused: it is a raw pickle, not a file torch.save"),
     }
 
 
