@@ -1308,3 +1308,42 @@ def test_a_disabled_scaler_reports_scale_one_whatever_its_state_holds():
     s = LossScaler(enabled=False)
     s._scale = 8.0  # GradScaler's attribute, written on a disabled scaler
     assert s.stats()["scale"] == 1.0 and s.get_scale() == 1.0
+
+
+def test_counters_cover_every_step_when_the_ring_wraps_and_survive_a_save():
+    """history_size=3 over 11 steps: the oldest records are folded into the counters as the ring
+    wraps; a pickled, reloaded or state-dict copy counts exactly the same (no step twice, none
+    lost), and so does a run of skips that crosses a fold."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s = LossScaler(init_scale=2.0**20, history_size=3)
+    plan = [None, INF, None, None, INF, INF, INF, INF, None, "nan", None]
+    for p in plan:
+        if p == "nan":
+            _step(s, model, opt, loss_mul=NAN)
+        else:
+            _step(s, model, opt, plant=p)
+    want = {"skipped_total": 6, "forward_overflows": 1, "consecutive_overflows": 0, "steps": 11}
+    assert {k: s.stats()[k] for k in want} == want
+    for copy_ in (
+        pickle.loads(pickle.dumps(s)),
+        copy.deepcopy(s),
+        _loaded(s.state_dict()),
+        _loaded(s.state_dict(), history_size=8),
+    ):
+        assert {k: copy_.stats()[k] for k in want} == want
+        _step(copy_, model, opt, plant=INF)
+        _step(copy_, model, opt, plant=INF)
+        assert copy_.skipped_steps == 8 and copy_.consecutive_overflows == 2
+    # a run of four skips across a fold (steps 5-8 with a ring of 3)
+    t = LossScaler(init_scale=2.0**20, history_size=3)
+    for p in [None, None, None, None, INF, INF, INF, INF]:
+        _step(t, model, opt, plant=p)
+    assert t.consecutive_overflows == 4 and t.skipped_steps == 4
+    assert _loaded(t.state_dict()).consecutive_overflows == 4
+
+
+def _loaded(sd: dict, **kw) -> LossScaler:
+    out = LossScaler(**kw)
+    out.load_state_dict(sd)
+    return out
