@@ -22,6 +22,10 @@ from typing import Any
 from .checks import is_finite, is_int, need
 
 __all__ = [
+    "DIVERGENCE_ACTIONS",
+    "DivergenceRules",
+    "DivergenceWatch",
+    "divergence_reason",
     "Action",
     "Observation",
     "Decision",
@@ -263,3 +267,109 @@ class OverflowGuard:
         self.window = deque((bool(x) for x in sd.get("window", [])), maxlen=self.rules.skip_window)
         self.consecutive = int(sd.get("consecutive", 0))
         self.rollbacks = int(sd.get("rollbacks", 0))
+
+
+# ---------------------------------------------------------------------------- divergence
+DIVERGENCE_ACTIONS = ("stop", "rollback", "warn")
+
+
+@dataclass(kw_only=True)
+class DivergenceRules:
+    """When a run has diverged, judged from its log rows' loss (each the mean of its interval),
+    smoothed as the median of ``patience`` rows so that one row -- noisy, or holding a spike --
+    decides nothing.
+
+    The run has diverged when the last ``patience`` rows are all non-finite, or when their median
+    is above ``factor`` times the lowest median of ``patience`` rows in a row so far, or when the
+    run had made real progress -- its first rows' mean down to that lowest, more than four times
+    the rows' own noise (the median change from one row to the next) -- and has given back three
+    quarters of it. A run that never made progress beyond its noise (a noisy toy, a run at a
+    plateau) can only trip the factor. Rows before ``warmup`` are only watched."""
+
+    factor: float = 5.0
+    patience: int = 3
+    warmup: int = 1
+    action: str = "stop"
+    lr_cut: float = 0.5
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def divergence_reason(losses: list[float], rules: DivergenceRules) -> str | None:
+    """Why the rows ``losses`` (oldest first) show a divergence, or None (the rule of
+    :class:`DivergenceRules`, a pure function of the numbers)."""
+    k = rules.patience
+    if len(losses) < max(k, rules.warmup + 1):
+        return None
+    last = losses[-k:]
+    if not any(_finite(x) for x in last):
+        return f"the loss is not finite at the last {k} log steps"
+    if not all(_finite(x) for x in last):
+        return None
+    finite = [x for x in losses[:-k] if _finite(x)]
+    windows = [_median(finite[i : i + k]) for i in range(len(finite) - k + 1)]
+    if not windows:
+        return None
+    now, lowest, first = _median(last), min(windows), windows[0]
+    shown = ", ".join(f"{x:.4g}" for x in last)
+    if lowest > 0 and now > rules.factor * lowest:
+        return (
+            f"the loss diverged: {shown} at the last {k} log steps, {now / lowest:.1f}x its lowest "
+            f"({lowest:.4g}, the median of {k} rows)"
+        )
+    steps = [abs(b - a) for a, b in zip(finite, finite[1:], strict=False)]
+    noise = sorted(steps)[len(steps) // 2] if steps else 0.0
+    progress = first - lowest
+    if progress > 4 * noise and now > lowest + 0.75 * progress and now > 1.5 * lowest:
+        return (
+            f"the loss diverged: {shown} at the last {k} log steps gave back "
+            f"{(now - lowest) / progress:.0%} of its progress from {first:.4g} down to {lowest:.4g}"
+        )
+    return None
+
+
+class DivergenceWatch:
+    """The host-side course of the loss, one row at a time (no device value: rows are read)."""
+
+    def __init__(self, rules: DivergenceRules) -> None:
+        self.rules = rules
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.good_step = 0  # the step of the last row before a divergence began
+
+    def observe(self, step: int, loss: float) -> Decision:
+        """Take one row; a WARN, ROLLBACK or ABORT (stop) decision once the rule holds."""
+        self.losses.append(float(loss))
+        self.steps.append(int(step))
+        why = divergence_reason(self.losses, self.rules)
+        if why is None:
+            return Decision(action=Action.CONTINUE)
+        k = self.rules.patience
+        self.good_step = self.steps[-k - 1] if len(self.steps) > k else 0
+        action = {"stop": Action.ABORT, "rollback": Action.ROLLBACK, "warn": Action.WARN}[
+            self.rules.action
+        ]
+        self.losses.clear()  # after a warning or a rollback, the course starts again
+        self.steps.clear()
+        return Decision(action=action, reason=why)
+
+    @property
+    def lowest(self) -> float | None:
+        finite = [x for x in self.losses if _finite(x)]
+        return min(finite) if finite else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "steps": list(self.steps), "good_step": self.good_step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.losses = [float(x) for x in sd.get("losses", [])]
+        self.steps = [int(x) for x in sd.get("steps", [])]
+        self.good_step = int(sd.get("good_step", 0))

@@ -142,7 +142,22 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
         got = maybe_plot_run(run_dir)
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
-    if result.status == "aborted":
+    if result.status == "diverged":
+        good = summary.get("last_good_checkpoint")
+        console.print(
+            "[red]Training stopped: the loss diverged[/red] (see the divergence event in "
+            "events.jsonl). Lower optim.lr (halve it, or more), or add warmup (optim.warmup_steps) "
+            "or clipping (optim.clip_grad_norm)"
+            + (
+                f", and resume from the last good checkpoint: ampctl train --resume {good} optim.lr=..."
+                if good
+                else ""
+            )
+            + ".",
+            highlight=False,
+            soft_wrap=True,
+        )
+    elif result.status == "aborted":
         console.print(
             "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
             f"`ampctl diagnose {run_dir}`, precision=bf16, a lower optim.lr, or scaler.init_scale "

@@ -429,8 +429,8 @@ class AmpctlCallback(Callback):
             loss = None
         try:
             self.run.after_step(loss, batch, step=trainer.global_step)
-        except TrainAborted:
-            self.status = "aborted"
+        except TrainAborted as e:
+            self.status = e.status  # aborted | diverged
             trainer.should_stop = True  # Lightning stops after this batch; checkpoints stay
 
     # ------------------------------------------------------------------ the end

@@ -520,9 +520,11 @@ class ProtectedRun:
             self._apply(
                 self.protection.after_step(step, skipped=skipped, batches=cur.batches or None)
             )
-            return self._log_row(step, stats, cur.lr) if log else None
-        except TrainAborted:
-            self.status = "aborted"
+            row = self._log_row(step, stats, cur.lr) if log else None
+            self.protection.mark_step_start()  # the next step starts here (guard.rerun)
+            return row
+        except TrainAborted as e:
+            self.status = e.status  # aborted | diverged
             raise
 
     def _log_row(self, step: int, stats: dict[str, torch.Tensor] | None, lr: Any) -> dict[str, Any]:
@@ -540,7 +542,7 @@ class ProtectedRun:
         )
         v = fig.read()  # the log read
         window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        self._apply(self.protection.on_log_read(v))
+        self._apply(self.protection.on_log_read(step, v))
         row = metrics_row(
             v,
             step=step,
@@ -559,10 +561,20 @@ class ProtectedRun:
 
     def _apply(self, rewind: Rewind | None) -> None:
         """A rollback or fallback restored weights, optimizer state and scale: put the caller's
-        ``progress`` (e.g. the lr scheduler) back too. The loop's own step counter and data go
-        on (this run does not own them)."""
-        if rewind is not None and self._progress is not None and rewind.progress is not None:
+        ``progress`` (e.g. the lr scheduler) back too, and cut the lr by a divergence rollback's
+        factor (the optimizer's groups, and the ``base_lrs`` of a torch lr scheduler passed as
+        ``progress``). The loop's own step counter and data go on (this run does not own
+        them)."""
+        if rewind is None:
+            return
+        if self._progress is not None and rewind.progress is not None:
             self._progress.load_state_dict(rewind.progress)
+        if rewind.lr_factor != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * rewind.lr_factor
+            base = getattr(self._progress, "base_lrs", None)
+            if isinstance(base, list):
+                self._progress.base_lrs = [b * rewind.lr_factor for b in base]
 
     # ------------------------------------------------------------------ events
     def _emit(self, ev: dict[str, Any]) -> None:
@@ -592,8 +604,8 @@ class ProtectedRun:
         if status == "ok":
             try:
                 self._apply(self.protection.sync())
-            except TrainAborted:
-                status = "aborted"
+            except TrainAborted as e:
+                status = e.status
         self.status = status
         assert self.log is not None
         summary = run_summary(
@@ -692,7 +704,7 @@ def _status_of(exc_type: Any) -> str | None:
     if exc_type is None:
         return None
     if issubclass(exc_type, TrainAborted):
-        return "aborted"
+        return exc_type.status  # aborted | diverged
     if issubclass(exc_type, KeyboardInterrupt):
         return "interrupted"
     return "failed"

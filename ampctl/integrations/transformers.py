@@ -171,7 +171,8 @@ class AmpctlTrainerCallback(TrainerCallback):
 
     def _wrap_clip(self, acc: Any) -> None:
         """Take a log step's gradient statistics before the Trainer clips (its clip unscales
-        first; the statistics work on the scaled gradients)."""
+        first; the statistics work on the scaled gradients), and hand the norm the clip computes
+        to the scaler (the spike rule's gradient-norm figure)."""
         if self._clip_wrapped is acc:
             return
         original = acc.clip_grad_norm_
@@ -180,7 +181,10 @@ class AmpctlTrainerCallback(TrainerCallback):
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             if cb.run is not None and cb.run.summary is None:
                 cb.run.before_step(cb.trainer.state.global_step + 1)
-            return original(*args, **kwargs)
+            norm = original(*args, **kwargs)
+            if cb.run is not None and isinstance(norm, torch.Tensor):
+                cb.run.scaler.report_grad_norm(norm)  # recorded; the spike rule's second figure
+            return norm
 
         acc.clip_grad_norm_ = clip_grad_norm_
         self._clip_wrapped = acc
@@ -205,8 +209,8 @@ class AmpctlTrainerCallback(TrainerCallback):
             return
         try:
             self.run.after_step(step=state.global_step + 1)
-        except TrainAborted:
-            self.status = "aborted"
+        except TrainAborted as e:
+            self.status = e.status  # aborted | diverged
             control.should_training_stop = True
 
     # ------------------------------------------------------------------ checkpoints, end

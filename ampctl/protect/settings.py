@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ampctl.amp.checks import is_finite, is_int, need
 from ampctl.amp.fp8 import DemoteRules
-from ampctl.amp.guard import GuardRules
+from ampctl.amp.guard import DIVERGENCE_ACTIONS, DivergenceRules, GuardRules
 from ampctl.amp.precision import PRECISIONS
 
 __all__ = ["GuardConfig", "LoggingConfig"]
@@ -40,8 +40,19 @@ class GuardConfig(GuardRules):
     spike: bool = True
     spike_z: float = 6.0
     spike_window: int = 128
-    spike_min_steps: int | None = None  # clean steps before the rule acts (None: spike_window)
+    spike_min_steps: int | None = 32  # clean steps before the rule acts (None: spike_window)
     spike_grad_norm: bool = True
+    # the divergence rule (amp/guard.py DivergenceRules), judged on the log rows' loss
+    divergence: bool = True
+    divergence_factor: float = 5.0
+    divergence_patience: int = 3
+    divergence_action: str = "stop"
+    divergence_lr_cut: float = 0.5
+    # rerun a skipped step once from the same state and batch: transient or reproducible
+    rerun: bool = False
+    # after a rollback, move the data this many batches past the batch that caused it (ampctl's
+    # loop; the positions skipped are an event, so a resume and a rerun of the run repeat them)
+    skip_batches: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +121,43 @@ class GuardConfig(GuardRules):
             self.spike_grad_norm,
             "true or false",
         )
+        for f in ("divergence", "rerun"):
+            need(isinstance(getattr(self, f), bool), self, f, getattr(self, f), "true or false")
+        need(
+            is_finite(self.divergence_factor) and self.divergence_factor > 1,
+            self,
+            "divergence_factor",
+            self.divergence_factor,
+            "a number > 1 (times the lowest log-row loss)",
+        )
+        need(
+            is_int(self.divergence_patience) and self.divergence_patience >= 1,
+            self,
+            "divergence_patience",
+            self.divergence_patience,
+            "an integer >= 1 (log rows in a row)",
+        )
+        need(
+            self.divergence_action in DIVERGENCE_ACTIONS,
+            self,
+            "divergence_action",
+            self.divergence_action,
+            f"one of {', '.join(DIVERGENCE_ACTIONS)}",
+        )
+        need(
+            is_finite(self.divergence_lr_cut) and 0 < self.divergence_lr_cut < 1,
+            self,
+            "divergence_lr_cut",
+            self.divergence_lr_cut,
+            "in (0, 1) (the lr multiplier of a rollback for divergence)",
+        )
+        need(
+            is_int(self.skip_batches) and self.skip_batches >= 0,
+            self,
+            "skip_batches",
+            self.skip_batches,
+            "an integer >= 0 (0: no data skipped after a rollback)",
+        )
         need(
             is_int(self.snapshot_every) and self.snapshot_every >= 0,
             self,
@@ -121,6 +169,15 @@ class GuardConfig(GuardRules):
     @property
     def rules(self) -> GuardRules:
         return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
+
+    @property
+    def divergence_rules(self) -> DivergenceRules:
+        return DivergenceRules(
+            factor=self.divergence_factor,
+            patience=self.divergence_patience,
+            action=self.divergence_action,
+            lr_cut=self.divergence_lr_cut,
+        )
 
     @property
     def fp8_rules(self) -> DemoteRules:

@@ -539,6 +539,7 @@ def test_forward_overflow_promotes_the_module_where_it_first_appears():
         "kind": "promotion",
         "message": "forward overflow first appears in amp (non-finite, float16): now runs in fp32",
         "module": "amp",
+        "dtype": "float16",
     }
     assert loop.prot.precision.exempted == ["amp"]
     assert loop.step() is False  # cured
@@ -554,26 +555,46 @@ def test_forward_overflow_locate_only_without_promotion():
         "kind": "locate",
         "message": "forward overflow first appears in amp (float16)",
         "module": "amp",
+        "dtype": "float16",
     }
     assert loop.prot.precision.exempted == []
 
 
-def test_forward_overflow_in_an_fp32_module_and_in_fp32():
-    loop = Loop()
+def test_a_promotion_that_does_not_cure_is_undone_and_an_fp32_module_is_never_promoted():
+    """The finding of issue #27: LayerNorms that already ran in fp32 were 'promoted'. A module
+    that overflows in fp32 is not a precision problem: a promotion that did not cure is undone
+    (the module was not the cause) and it is not promoted again; in an fp32 run nothing is."""
+    loop = Loop(rollback_after=0)
     loop.model.amp.boost = 1e20  # overflows fp32 as well
     loop.step()
     assert loop.kinds() == ["overflow", "promotion"]
     loop.step()
     assert _strip(loop.prot.events[-1]) == {
         "step": 2,
-        "kind": "locate",
-        "message": "forward overflow in amp, already fp32",
+        "kind": "promotion_undone",
+        "message": "amp overflows in fp32 too (promoted at step 1): not the cause, moved back to "
+        "fp16",
         "module": "amp",
+        "promoted_at": 1,
     }
+    assert loop.prot.precision.exempted == []
+    loop.step()
+    assert _strip(loop.prot.events[-1]) == {
+        "step": 3,
+        "kind": "locate",
+        "message": "forward overflow first appears in amp, which overflowed in fp32 too when it "
+        "was moved there: not a precision problem (look at the learning rate and the data)",
+        "module": "amp",
+        "dtype": "float16",
+    }
+    assert loop.prot.precision.exempted == []
     loop = Loop("fp32", rollback_after=0)
     loop.model.amp.boost = 1e20
     loop.step()
-    assert loop.prot.events[-1]["message"] == "forward overflow first appears in amp (float32)"
+    assert loop.prot.events[-1]["message"] == (
+        "forward overflow first appears in amp, which computes in float32 already: not a "
+        "precision problem (look at the learning rate and the data)"
+    )
     assert loop.prot.precision.exempted == []
 
 
@@ -584,8 +605,10 @@ def test_forward_overflow_of_the_loss_itself_names_the_model():
     assert _strip(loop.prot.events[-1]) == {
         "step": 1,
         "kind": "locate",
-        "message": "forward overflow first appears in <model> (float32)",
+        "message": "forward overflow: the loss itself is not finite while every module's "
+        "output is (look at the loss function, the labels and the learning rate)",
         "module": "<model>",
+        "dtype": "float32",
     }
 
 
@@ -853,6 +876,9 @@ def test_state_dict_is_the_guards_history_and_the_spike_window():
         "consecutive": 1,
         "rollbacks": 0,
         "spike": {"loss": None, "norm": None},  # no window statistics yet
+        "divergence": {"losses": [], "steps": [], "good_step": 0},  # no log row yet
+        "promoted_at": {},
+        "not_the_cause": [],
     }
     other = Loop()
     other.prot.load_state_dict(
