@@ -82,15 +82,26 @@ def test_grid_writes_one_row_per_trial_with_all_columns(grid):
         assert r["loss_gap"] == (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
         if r["skipped"] == 0:  # clean run: the scale doubled every growth_interval steps
             assert r["final_scale"] == r["init_scale"] * 2 ** (STEPS // r["growth_interval"])
-    # the ranking follows (gap in whole 0.1% steps, skipped, -steps/s)
+    # the ranking follows (gap in whole 0.1% steps, unscaled, skipped), then the tie break
+    # towards the S* estimate's init_scale, then growth_interval 2000 -- never steps/s
     ranked = sorted(doc["trials"][1:], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranked] == [1, 2, 3, 4]
     assert doc["ranking"] == [r["trial"] for r in ranked]
+    target = doc["s_star"]["init_scale"]
     keys = [
-        (math.floor(max(r["loss_gap"], 0) / 1e-3 + 1e-6), r["skipped"], -r["steps_per_s"])
+        (
+            math.floor(max(r["loss_gap"], 0) / 1e-3 + 1e-6),
+            r["skipped"],
+            abs(math.log2(r["init_scale"] / target)),
+            abs(math.log2(r["init_scale"] / 65536)),
+            abs(math.log2(r["growth_interval"] / 2000)),
+        )
         for r in ranked
     ]
     assert keys == sorted(keys)
+    tie = doc["recommendation"]["tie"]
+    assert tie["tied"][0] == ranked[0]["trial"] and tie["target"] == target
+    assert (len(tie["tied"]) > 1) == (f"  Tie: {len(tie['tied'])} trials are equal" in out)
     best = ranked[0]
     cmd = f"scaler.init_scale={int(best['init_scale'])} scaler.growth_interval={best['growth_interval']}"
     assert doc["recommendation"]["command"].startswith("ampctl train trainer.max_steps=12 ")
