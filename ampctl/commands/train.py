@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from ampctl.config import ConfigError, config_from_saved, load_config, split_overrides, to_yaml
 from ampctl.runlog import RunLayout, fork_event, fork_into
@@ -137,14 +138,16 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
     if result.status == "aborted":
         console.print(
             "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
-            f"`ampctl diagnose {run_dir}`, precision=bf16, a lower optim.lr, or scaler.init_scale "
-            "lower.",
+            f"`ampctl diagnose {escape(str(run_dir))}`, precision=bf16, a lower optim.lr, or "
+            "scaler.init_scale lower.",
             highlight=False,
             soft_wrap=True,
         )
-    elif result.status == "failed":
+    elif result.status == "failed":  # the failure as written: install hints hold "[extra]"
         console.print(
-            f"[red]Training stopped:[/red] {trainer.failure}", highlight=False, soft_wrap=True
+            f"[red]Training stopped:[/red] {escape(str(trainer.failure))}",
+            highlight=False,
+            soft_wrap=True,
         )
     elif result.status == "interrupted":
         console.print(
