@@ -235,3 +235,25 @@ def test_python_dash_m_entry_point():
     assert out.returncode == 0
     for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot"):
         assert cmd in out.stdout
+
+
+def test_no_numpy_warning_from_torch_on_a_core_install(tmp_path):
+    """A core install has no NumPy; torch warns about it at import, ampctl never needs it."""
+    import subprocess
+    import sys
+
+    block = "import sys; sys.modules['numpy'] = None; "  # as if NumPy were not installed
+    cmd = "from ampctl.cli import main; sys.argv = ['ampctl', 'train', '--print-config']; main()"
+    out = {}
+    for name, code in (("torch", block + "import torch"), ("ampctl", block + cmd)):
+        out[name] = subprocess.run(
+            [sys.executable, "-W", "default", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+    assert "Failed to initialize NumPy" in out["torch"].stderr  # what a user would have seen
+    assert out["ampctl"].returncode == 0, out["ampctl"].stderr
+    assert "Failed to initialize NumPy" not in out["ampctl"].stderr
+    assert "trainer:" in out["ampctl"].stdout
