@@ -28,11 +28,31 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
     )
 
 
-def _resume_target(ck: dict[str, Any], name: str | None) -> RunLayout | None:
-    """The run folder a resume continues in (None: a fork into a new folder)."""
+def _as_given(path: Path, given: Path) -> Path:
+    """``path`` (resolved) in the form the user gave ``--resume``: relative to the working
+    folder when that was relative and ``path`` lies under it, as a fresh run's folder is."""
+    if given.is_absolute():
+        return path
+    try:
+        return path.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
+def _resume_target(
+    ck: dict[str, Any], name: str | None, given: Path, runs_dir: str | Path
+) -> RunLayout | None:
+    """The run folder a resume continues in (None: a fork into a new folder ``--name``)."""
     path = Path(ck["path"]).resolve()
     run = RunLayout.of_checkpoint(path)
     if name is not None:
+        if run is not None and (Path(runs_dir) / name).resolve() == run.root:
+            here = _as_given(run.root, given)
+            raise ConfigError(
+                f"--resume {given} --name {name}: --name starts a new run folder (a fork of the "
+                f"checkpoint) and {here} is the run being resumed; to continue it, drop --name: "
+                f"ampctl train --resume {given}"
+            )
         return None
     if run is None:
         raise ConfigError(
@@ -45,7 +65,7 @@ def _resume_target(ck: dict[str, Any], name: str | None) -> RunLayout | None:
             f"{run.root.name} of {run.root.parent.parent}; continue it in a new run folder with "
             f"--resume {ck['path']} --name NEW"
         )
-    return run
+    return RunLayout(_as_given(run.root, given))
 
 
 def run_train(
@@ -82,7 +102,9 @@ def run_train(
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)
         return 0
     ctx = init_distributed(cfg.dist.strategy, cfg.trainer.device)
-    target = _resume_target(ck, name) if ck is not None else None
+    target = (
+        _resume_target(ck, name, Path(resume), cfg.trainer.runs_dir) if ck is not None else None
+    )
     fork = ck is not None and target is None
     run_dir = target.root if target is not None else None
     if run_dir is None and ctx.is_main:
