@@ -85,7 +85,7 @@ def test_run_figure_panels_skips_and_events(run):
         "loss scale (log2)",
         "overflow rate",
         "grad norm",
-        "underflow fraction",
+        "underflow fraction (log)",  # a real fp16 run: ~0.05% of param grads next to ~45% of act
     ]
     assert ax_scale.get_yscale() == "log" and ax_scale.yaxis.get_transform().base == 2
     assert ax_gn.get_xlabel() == "step"
@@ -176,9 +176,33 @@ def test_activation_gradient_underflow_is_drawn_next_to_the_parameter_figure(tmp
     )
     ax_uf = build_run_figure(d).axes[-1]
     labels = {ln.get_label(): list(ln.get_ydata()) for ln in ax_uf.lines}
-    assert labels["param-grad underflow"] == [0.001, 0.002]
-    assert labels["activation-grad underflow (fp16)"] == [0.9, 0.5]
+    # the legend says what each fraction counts
+    assert labels["param-grad underflow (share of elements 0 or < 2^-24 once scaled)"] == [
+        0.001,
+        0.002,
+    ]
+    assert labels["activation-grad underflow (share of fp16 elements 0 or subnormal)"] == [
+        0.9,
+        0.5,
+    ]
     assert ax_uf.get_ylim()[1] >= 0.9  # the axis holds the larger figure
+
+    def height(y):  # where y sits on the axis, 0 (bottom) to 1 (top)
+        return ax_uf.transAxes.inverted().transform(ax_uf.transData.transform((0, y)))[1]
+
+    # 0.1% next to 90%: a log axis, so the small figure is readable, not flat on 0%
+    assert ax_uf.get_yscale() == "log" and ax_uf.get_ylabel() == "underflow fraction (log)"
+    assert height(0.001) > 0.05 and height(0.002) - height(0.001) > 0.05
+    # figures of one order: a linear axis from 0, as a fraction reads best
+    d2 = write_run(
+        tmp_path / "r2",
+        [
+            row(4, 5.0, grad_underflow_frac=0.3, act_grad_underflow_frac=0.9),
+            row(8, 4.0, grad_underflow_frac=0.2, act_grad_underflow_frac=0.5),
+        ],
+    )
+    ax_uf = build_run_figure(d2).axes[-1]
+    assert ax_uf.get_yscale() == "linear" and ax_uf.get_ylim()[0] == 0.0
 
 
 def write_run(path, rows, events=(), tail=""):
