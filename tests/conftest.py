@@ -10,6 +10,12 @@ import pytest
 import torch
 
 from ampctl.config import load_config
+from tests.extras_ci import (  # noqa: F401 - .ci/run's two passes (see tests/extras_ci.py)
+    pytest_collection_modifyitems,
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 
 # A few steps of the tiny model; fast on 2 CPU cores.
 FAST = [
