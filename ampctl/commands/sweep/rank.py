@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_INIT_SCALE",
     "DEFAULT_GROWTH_INTERVAL",
     "merit",
+    "unscaled",
     "closeness",
     "rank_key",
     "tie_info",
