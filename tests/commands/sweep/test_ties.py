@@ -11,30 +11,23 @@ import pytest
 from ampctl.commands.sweep import SweepResult, finalize_rows, plan_sweep, tie_info
 from ampctl.commands.sweep.rank import recommend, s_star, scale_target, select_promoted
 from ampctl.commands.sweep.report import report_lines
+from tests.commands.sweep.test_rank import _row
 from tests.conftest import FAST
 
 
 def _trial(init, growth=100, loss=4.0, skipped=0, speed=10.0, amax=None, steps=12):
-    row = {
-        "trial": f"init_scale={init}" + (f",growth_interval={growth}" if growth != 100 else ""),
-        "kind": "trial",
-        "status": "ok",
-        "reason": "",
-        "init_scale": float(init),
-        "growth_interval": growth,
-        "final_loss": loss,
-        "skipped": skipped,
-        "steps_per_s": speed,
-        "rank": None,
-        "reference": None,
-        "reference_loss": None,
-        "loss_gap": None,
-        "rung": 0,
-        "steps": steps,
-    }
-    if amax is not None:
-        row.update(max_grad_amax=amax, _amax_rows=3)
-    return row
+    name = f"init_scale={init}" + (f",growth_interval={growth}" if growth != 100 else "")
+    more = {} if amax is None else {"max_grad_amax": amax, "_amax_rows": 3}
+    return _row(
+        name,
+        loss,
+        skipped,
+        speed,
+        steps=steps,
+        init_scale=float(init),
+        growth_interval=growth,
+        **more,
+    )
 
 
 def _base(loss=4.0, steps=12):
