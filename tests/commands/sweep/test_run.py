@@ -18,7 +18,7 @@ from ampctl.amp.formats import ideal_scale, recommended_init_scale
 from ampctl.cli import app
 from ampctl.commands.sweep import COLUMNS, sweep
 from ampctl.config import ConfigError
-from tests.commands.sweep.conftest import PLANTED, STEPS, run_sweep_here
+from tests.commands.sweep.conftest import NO_PLOT, PLANTED, STEPS, run_sweep_here
 from tests.conftest import FAST, read_jsonl
 
 GRID = ("scaler.init_scale=1024,65536", "scaler.growth_interval=2,1000")
@@ -272,12 +272,17 @@ def test_bad_launcher_options_exit_2_with_one_line(tmp_path, args, line):
 def test_resume_with_other_settings_is_refused(grid):
     runs, _, _ = grid
     with pytest.raises(ConfigError) as e:
-        sweep([*FAST, f"trainer.runs_dir={runs}", *GRID], steps=STEPS + 1, name="g", mode="quiet")
+        sweep(
+            [*FAST, f"trainer.runs_dir={runs}", NO_PLOT, *GRID],
+            steps=STEPS + 1,
+            name="g",
+            mode="quiet",
+        )
     assert str(e.value).startswith("--name g: trial baseline-fp32 in ") and str(e.value).endswith(
         "was run with trainer.max_steps=8, this sweep gives trainer.max_steps=9; re-run it with the "
         "same overrides and --steps, or pick another --name"
     )
     with pytest.raises(ConfigError, match=r"^--name g: this sweep was run with no --halving; give"):
-        sweep([*FAST, f"trainer.runs_dir={runs}", *GRID], steps=STEPS, name="g", halving=2)
+        sweep([*FAST, f"trainer.runs_dir={runs}", NO_PLOT, *GRID], steps=STEPS, name="g", halving=2)
     with pytest.raises(ConfigError, match=r"^--jobs 0: give an integer >= 1$"):
         sweep([*FAST], jobs=0, mode="quiet")
