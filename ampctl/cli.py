@@ -22,7 +22,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 app = typer.Typer(
     name="ampctl",
     help=(
-        "Protected mixed-precision (fp16/bf16) training: dynamic loss scaling, fused overflow "
+        "Protected mixed-precision (fp16/bf16/fp8) training: dynamic loss scaling, fused overflow "
         "detection, skipped steps that leave weights untouched, rollback and precision fallback, "
         "and a live view of scale, overflow rate and gradient health."
     ),
@@ -32,11 +32,21 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-OVERRIDES_HELP = (
-    "Hydra overrides: key=value, +new.key=value, ~key; conf=NAME picks a preset from conf/ "
-    "(config, bert_base, bert_large, gpt2_tiny, gpt2_small, llama_tiny, llama_1b); groups: "
-    "model=, data=, optim=, precision=, scaler=, guard=."
-)
+
+def _overrides_help() -> str:
+    """The overrides' help, with the presets and groups that ship in conf/ (read from disk, so
+    the list stays true)."""
+    from ampctl.compose import available_presets, group_names
+
+    return (
+        "Hydra overrides: key=value, +new.key=value, ~key; conf=NAME picks a preset from conf/ "
+        f"({', '.join(available_presets())}); groups: "
+        + ", ".join(f"{g}=" for g in group_names())
+        + "."
+    )
+
+
+OVERRIDES_HELP = _overrides_help()
 
 _DEBUG = {"on": False}
 
@@ -136,8 +146,9 @@ def sweep_scale(
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Hydra overrides, with sweeps: scaler.init_scale=1024,4096,65536 scaler.growth_interval=range(100,2001,400) "
-            "conf=bert_base. Default grid: init_scale {2^10,2^13,2^16} x growth_interval {100,500,2000}.",
+            help="Hydra overrides, with sweeps: scaler.init_scale=1024,4096,65536 "
+            "scaler.growth_interval=range(100,2001,400). Default grid: init_scale "
+            "{2^10,2^13,2^16} x growth_interval {100,500,2000}. " + OVERRIDES_HELP,
             show_default=False,
         ),
     ] = None,
@@ -284,7 +295,7 @@ def diagnose(
         str | None,
         typer.Option(
             "--precision",
-            help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure.",
+            help="Replay precision (default: the run's): fp32, bf16, fp16, fp16-pure, fp8.",
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = "auto",
@@ -308,8 +319,19 @@ def diagnose(
         Path | None,
         typer.Option(
             "--data",
-            help="A text file to replay instead of synthetic tokens (Hugging Face checkpoints; "
-            "needs the tokenizer saved beside the checkpoint).",
+            help="Your text to replay: a text file for Hugging Face checkpoints (tokenized by the "
+            "tokenizer saved beside it), a file or folder of .txt for an ampctl data=text run. "
+            "Without it the replay uses synthetic batches of the run's shape and opens no path "
+            "the checkpoint's config names (unless --trust-code).",
+        ),
+    ] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory",
+            help="Memory the checkpoint may take, e.g. 64G (default: 80% of the free memory, "
+            "within the process's address-space limit); estimated before anything is allocated.",
+            show_default=False,
         ),
     ] = None,
     as_json: Annotated[
@@ -327,9 +349,11 @@ def diagnose(
 
     Files are read as data (weights_only=True, safetensors); pickled objects are refused.
 
-    Nothing a checkpoint's config names is imported without --trust-code.
+    Nothing a checkpoint's config names is imported, and no path it names is opened, without
+    --trust-code. Files read whole are capped at 64 MiB; memory is estimated first.
     """
     from ampctl.commands.diagnose import run_diagnose
+    from ampctl.trust import parse_size
 
     _at_least("--batches", batches, 1)
 
@@ -343,6 +367,7 @@ def diagnose(
             fmt=fmt,
             trust_code=trust_code,
             data=data,
+            max_memory=parse_size(max_memory) if max_memory is not None else None,
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -368,8 +393,10 @@ def bench(
         Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
     ] = None,
 ) -> None:
-    """Measure what protection costs: overhead vs a bare GradScaler loop, fused vs per-parameter
-    overflow check, host reads per step, and a precision table (step time, tokens/s, memory)."""
+    """Measure what protection costs, as ratios against a bare GradScaler loop.
+
+    Overhead per step and in total, fused vs per-parameter overflow check, host reads per step,
+    and a precision table (step time, tokens/s, memory)."""
     from ampctl.commands.bench import run_bench
 
     _at_least("--steps", steps, 2)
@@ -400,8 +427,10 @@ def plot(
         ),
     ] = None,
 ) -> None:
-    """Draw a run (loss, scale with skipped steps, overflow rate, grad norm and underflow, guard
-    events) or a sweep (heat map and scale trajectories) into a PNG. Needs matplotlib."""
+    """Draw a run or a sweep into a PNG (needs matplotlib).
+
+    A run: loss, scale with skipped steps, overflow rate, grad norm and underflow, guard events.
+    A sweep: heat map and scale trajectories."""
     from ampctl.commands.plot import run_plot
 
     try:

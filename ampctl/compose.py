@@ -17,6 +17,10 @@ from ampctl.errors import ConfigError, first_line
 
 __all__ = [
     "OverrideError",
+    "available_presets",
+    "group_names",
+    "group_options",
+    "packaged_conf_dir",
     "parse_overrides",
     "expand_sweeps",
     "compose_preset",
@@ -26,6 +30,35 @@ __all__ = [
 
 OVERRIDE_FORMS = "use key=value, +key=value or ~key (a list as key=[a,b])"
 SWEEP_FORMS = "use key=value, key=a,b,c or key=range(start,stop,step)"
+
+
+def packaged_conf_dir() -> Path:
+    """The ``conf/`` folder shipped with ampctl (repository root in an editable install)."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "conf", here.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise ConfigError(
+        f"ampctl's packaged configs were not found next to {here}; reinstall with `pip install -e .`"
+    )
+
+
+def available_presets(config_dir: str | Path | None = None) -> list[str]:
+    """The preset names (``conf=NAME``): the YAML files of the packaged ``conf/`` and of
+    ``config_dir``."""
+    dirs = [packaged_conf_dir()] + ([Path(config_dir)] if config_dir else [])
+    names = {p.stem for d in dirs for p in Path(d).glob("*.yaml")}
+    return sorted(names)
+
+
+def group_names() -> list[str]:
+    """The config groups that ship in conf/ (a folder of options each: ``model=NAME`` ...)."""
+    return sorted(p.name for p in packaged_conf_dir().iterdir() if p.is_dir())
+
+
+def group_options(group: str, config_dir: str | Path | None) -> list[str]:
+    dirs = [packaged_conf_dir()] + ([Path(config_dir)] if config_dir else [])
+    return sorted({p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")})
 
 
 class OverrideError(ConfigError):

@@ -25,14 +25,16 @@ from omegaconf.errors import OmegaConfBaseException
 from ampctl.amp.checks import FieldError, need, show
 from ampctl.amp.precision import PrecisionConfig
 from ampctl.amp.scaler import ScalerConfig
-from ampctl.compose import OVERRIDE_FORMS, parse_overrides
+from ampctl.compose import (
+    OVERRIDE_FORMS,
+    available_presets,
+    group_options,
+    packaged_conf_dir,
+    parse_overrides,
+)
 from ampctl.errors import ConfigError, UsageError, first_line
-from ampctl.train.builders import OptimConfig
-from ampctl.train.data import DataConfig
-from ampctl.train.dist import DistConfig
-from ampctl.train.logger import LoggingConfig
-from ampctl.train.protection import GuardConfig
-from ampctl.train.trainer import TrainerConfig
+from ampctl.protect.settings import GuardConfig, LoggingConfig
+from ampctl.train.settings import DataConfig, DistConfig, OptimConfig, TrainerConfig
 
 __all__ = [
     "ConfigError",
@@ -44,17 +46,6 @@ __all__ = [
     "available_presets",
     "split_overrides",
 ]
-
-
-def packaged_conf_dir() -> Path:
-    """The ``conf/`` folder shipped with ampctl (repository root in an editable install)."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "conf", here.parent / "conf"):
-        if (cand / "config.yaml").is_file():
-            return cand
-    raise ConfigError(
-        f"ampctl's packaged configs were not found next to {here}; reinstall with `pip install -e .`"
-    )
 
 
 # ---------------------------------------------------------------------------- schema
@@ -105,17 +96,6 @@ def split_overrides(tokens: list[str]) -> tuple[str, list[str]]:
     return preset, rest
 
 
-def available_presets(config_dir: str | Path | None = None) -> list[str]:
-    dirs = [packaged_conf_dir()] + ([Path(config_dir)] if config_dir else [])
-    names = {p.stem for d in dirs for p in Path(d).glob("*.yaml")}
-    return sorted(names)
-
-
-def _group_options(group: str, config_dir: str | Path | None) -> list[str]:
-    dirs = [packaged_conf_dir()] + ([Path(config_dir)] if config_dir else [])
-    return sorted({p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")})
-
-
 def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -> DictConfig:
     from ampctl.compose import compose_preset, hydra_errors
 
@@ -154,7 +134,7 @@ def _missing_option_message(e: Exception, overrides: list[str], config_dir) -> s
     m = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if m:
         group, option = m.group(1), m.group(2)
-        return f"{group}={option}: no such option; {group} can be one of {', '.join(_group_options(group, config_dir))}"
+        return f"{group}={option}: no such option; {group} can be one of {', '.join(group_options(group, config_dir))}"
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         return f"{m.group(1)}: not a config group; to set a value use {m.group(1)}.KEY=VALUE"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "ConfigError", "first_line"]
+__all__ = ["UsageError", "ConfigError", "BuildError", "first_line"]
 
 
 class UsageError(ValueError):
@@ -12,6 +12,11 @@ class UsageError(ValueError):
 
 class ConfigError(UsageError):
     """Bad user input in the config: the message is one line meant for the user."""
+
+
+class BuildError(UsageError):
+    """The config names something that cannot be built (a bad ``_target_``, a data path, a model
+    whose output holds no loss ...): one line naming the key."""
 
 
 def first_line(e: BaseException | str) -> str:

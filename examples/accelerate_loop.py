@@ -18,9 +18,9 @@ import torch
 from accelerate import Accelerator
 
 from ampctl.integrations.accelerate import install_scaler, protected_run
+from ampctl.runlog.writers import default_run_name
 from ampctl.train.data import SyntheticMLM
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import default_run_name
 
 torch.manual_seed(0)
 torch.set_num_threads(2)

@@ -18,8 +18,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.utils import logging as hf_logging
 
 from ampctl.integrations.transformers import protect_trainer
+from ampctl.runlog.writers import default_run_name
 from ampctl.train.data import SyntheticMLM
-from ampctl.train.run import default_run_name
 
 PLANTED_STEPS = (25, 26, 27)
 

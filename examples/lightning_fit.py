@@ -17,9 +17,9 @@ import lightning as L
 import torch
 
 from ampctl.integrations.lightning import AmpctlCallback
+from ampctl.runlog.writers import default_run_name
 from ampctl.train.data import SyntheticMLM
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import default_run_name
 
 PLANTED_STEPS = (25, 26, 27)
 

@@ -17,9 +17,9 @@ import torch
 
 from ampctl.amp import LossScaler
 from ampctl.integrations import ProtectedRun
+from ampctl.runlog.writers import default_run_name
 from ampctl.train.data import SyntheticMLM
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import default_run_name
 
 torch.manual_seed(0)
 torch.set_num_threads(2)

@@ -18,8 +18,8 @@ from rich.console import Console
 from torch import nn
 
 from ampctl.config import load_config
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer
 from ampctl.ui.display import Display
 

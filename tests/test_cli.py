@@ -279,3 +279,26 @@ def test_resume_shows_the_run_dir_as_given_and_a_name_of_itself_says_drop_it(tmp
     assert again.exit_code == 0, again.output
     assert "run_dir: runs/x\n" in again.stdout  # the form a fresh run prints, not /tmp/.../x
     assert json.loads((tmp_path / "runs/x/summary.json").read_text())["steps"] == 8
+
+
+def test_help_texts_name_what_ships():
+    """The presets, the precisions and the command summaries in --help are what ampctl has:
+    read from conf/ and the plugin registry, so a new preset or precision cannot be left out."""
+    import re
+
+    from ampctl.amp.precision import PRECISIONS
+    from ampctl.config import available_presets
+
+    flat = lambda text: re.sub(r"[\s│]+", " ", text)  # noqa: E731 - undo the panel wrapping
+    top = flat(run("--help").output)
+    assert "(fp16/bf16/fp8)" in top
+    # every command's summary is one whole sentence on one line of the list
+    for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot"):
+        summary = re.search(rf" {cmd} (.+?\.) ", top).group(1)
+        assert summary[0].isupper() and "  " not in summary, (cmd, summary)
+    for cmd in ("train", "bench", "sweep-scale"):
+        text = flat(run(cmd, "--help").output)
+        for preset in available_presets():
+            assert preset in text, (cmd, preset)
+    diag = flat(run("diagnose", "--help").output)
+    assert all(p in diag for p in PRECISIONS)

@@ -3,6 +3,7 @@ resolved, unless ampctl ships it or the user allows it on the command line."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -27,7 +28,7 @@ def test_shipped_targets_are_ampctls_own_models_only():
     for other in (
         "subprocess.getoutput",
         "shutil.rmtree",
-        "ampctl.train.run.new_run_dir",  # ships with ampctl, but is no model
+        "ampctl.runlog.new_run_dir",  # ships with ampctl, but is no model
         "ampctl.train.models.torch",  # a module reached through the models package
         "ampctl.train.modelsX.BertForMaskedLM",
         "",
@@ -140,3 +141,94 @@ def test_consent_on_the_command_line(checkpoint, tmp_path, monkeypatch):
         )
         assert r.exit_code == 0, r.output
     sys.modules.pop("mymodels", None)
+
+
+# ---------------------------------------------------------------------------- resources
+def test_files_read_whole_are_capped_regular_and_stay_in_their_folder(tmp_path):
+    from ampctl.trust import FileRefused, read_bounded
+
+    (tmp_path / "d").mkdir()
+    small = tmp_path / "d" / "small.json"
+    small.write_text("{}")
+    assert read_bounded(small) == b"{}"
+    with pytest.raises(FileRefused) as e:
+        read_bounded(small, limit=1)
+    assert e.value.reason == "is 2 B, over the 1 B limit for a file read whole: not read"
+    inside = tmp_path / "d" / "link.json"
+    inside.symlink_to(small)  # a link within its folder is followed
+    assert read_bounded(inside) == b"{}"
+    out = tmp_path / "d" / "out.json"
+    out.symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    with pytest.raises(FileRefused, match=r"is a symlink to '.*elsewhere\.json', outside its"):
+        read_bounded(out)
+    fifo = tmp_path / "d" / "fifo.json"
+    os.mkfifo(fifo)  # opening it would block forever
+    with pytest.raises(FileRefused, match=r"is not a regular file \(a FIFO or device\)"):
+        read_bounded(fifo)
+
+
+def test_a_saved_config_must_be_a_plain_tree():
+    from ampctl.trust import ResourceRefused, check_tree
+
+    check_tree({"a": [1, {"b": 2}], "c": {"d": None}}, source="c.pt")
+    shared = {"x": 1}
+    with pytest.raises(ResourceRefused, match="c.pt: one container appears at two places"):
+        check_tree({"a": shared, "b": [shared]}, source="c.pt")
+    deep: dict = {}
+    node = deep
+    for _ in range(150):
+        node["n"] = node = {}
+    with pytest.raises(ResourceRefused, match="nested deeper than 100 levels"):
+        check_tree(deep, source="c.pt")
+    with pytest.raises(ResourceRefused, match="holds more than 10 values"):
+        check_tree(list(range(20)), source="c.pt", max_nodes=10)
+    # the trust checks walk the same way: a shared config is refused before it is walked
+    with pytest.raises(ResourceRefused):
+        check_saved_config({"model": shared, "data": shared}, source="c.pt")
+
+
+def test_memory_limit_and_sizes():
+    from ampctl.errors import UsageError
+    from ampctl.trust import ResourceRefused, check_memory, max_memory, memory_limit, parse_size
+
+    assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5g") == 3 << 29 and parse_size("4096") == 4096
+    for bad in ("lots", "-1G", "0", "8X"):
+        with pytest.raises(UsageError, match="is not a size"):
+            parse_size(bad)
+    with max_memory(1 << 20):
+        assert memory_limit() == (1 << 20, "--max-memory")
+        check_memory(1 << 20, what="w")
+        with pytest.raises(ResourceRefused) as e:
+            check_memory(3 << 20, what="'c.pt'")
+    assert str(e.value) == (
+        "'c.pt' needs about 3.0 MiB of memory, more than the 1.0 MiB allowed (--max-memory): "
+        "nothing was allocated; if the machine has the memory, pass --max-memory SIZE (e.g. "
+        "--max-memory 64G)"
+    )
+    limit, source = memory_limit()
+    assert limit > 0 and source != "--max-memory"
+
+
+def test_strict_run_file_readers_name_what_is_wrong(tmp_path):
+    import pickle
+
+    from ampctl.runlog.readers import RunFileError, load_config_text, load_json, read_json
+
+    cases = {
+        "deep.json": ("[" * 100_000 + "]" * 100_000, "is nested too deeply to read"),
+        "pickle.json": (pickle.dumps({"a": 1}), "holds pickle bytes"),
+        "bad.json": ('{"a": ', "is not valid JSON (Expecting value at line 1 column 7)"),
+        "tag.yaml": ("a: !!python/object/apply:os.system ['true']\n", "uses the YAML tag"),
+        "alias.yaml": ("a: &x [1, 2]\nb: *x\n", "one container appears at two places"),
+        "list.yaml": ("- 1\n- 2\n", "holds a list, not a mapping of config keys"),
+    }
+    for name, (content, why) in cases.items():
+        p = tmp_path / name
+        p.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(RunFileError) as e:
+            (load_config_text if name.endswith(".yaml") else load_json)(p)
+        assert e.value.reason.startswith(why), (name, e.value.reason)
+        assert str(e.value).startswith(f"{str(p)!r}: ")
+    assert read_json(tmp_path / "deep.json") is None  # the lenient reader: None, no exception

@@ -15,8 +15,9 @@ counts on the device: elements that are exactly zero, elements below fp16's norm
 the loss scale, which is the point: the scale is what keeps it out of the subnormal range.
 
 Cost: on a sampled step, one ``abs``, two comparisons and two reductions per fp16 activation
-gradient (on the device, no host read; element counts are known on the host): a few ms per log
-step on the default model on this project's CPU (profiled). Nothing is installed on other steps.
+gradient of the hooked modules (on the device, no host read; element counts are known on the
+host). The trainer's probe hooks ``sample`` leaf modules per log step, in turn, so the cost is
+bounded whatever the model's depth. Nothing is installed on other steps.
 By default only float16 tensors are counted (bf16 has fp32's range; fp32 cannot underflow
 here), so a run with no fp16 activations reports ``None``.
 
@@ -36,7 +37,7 @@ from torch import nn
 
 from .formats import FP16_TINY
 
-__all__ = ["ActGradCounter", "ActGradProbe", "ROW_KEYS"]
+__all__ = ["ActGradCounter", "ActGradProbe", "ROW_KEYS", "leaf_modules"]
 
 ROW_KEYS = ("act_grad_underflow_frac", "act_grad_zero_frac")
 
@@ -74,8 +75,11 @@ class ActGradCounter:
         self._total += a.numel()
 
     @contextlib.contextmanager
-    def hooks(self, model: nn.Module) -> Iterator[ActGradCounter]:
-        """Count the activation gradients of ``model``'s leaf modules while open."""
+    def hooks(
+        self, model: nn.Module, modules: list[nn.Module] | None = None
+    ) -> Iterator[ActGradCounter]:
+        """Count the activation gradients of ``model``'s leaf modules (or of ``modules``, some
+        of them) while open."""
 
         def on_forward(_mod: nn.Module, _inp: Any, out: Any) -> None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -83,11 +87,7 @@ class ActGradCounter:
                 if isinstance(t, torch.Tensor) and t.dtype in self.dtypes and t.requires_grad:
                     t.register_hook(self._add)
 
-        handles = [
-            m.register_forward_hook(on_forward)
-            for m in model.modules()
-            if next(m.children(), None) is None
-        ]
+        handles = [m.register_forward_hook(on_forward) for m in modules or leaf_modules(model)]
         try:
             yield self
         finally:
@@ -105,13 +105,33 @@ class ActGradCounter:
         }
 
 
-class ActGradProbe:
-    """The trainer's log-step probe (:class:`ampctl.train.metrics.Probe`) for
-    :class:`ActGradCounter`: hooks open for the log step's forward and backward passes, the
-    three counts summed over ranks on the log read, two row keys (:data:`ROW_KEYS`)."""
+def leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` without children, in module order."""
+    return [m for m in model.modules() if next(m.children(), None) is None]
 
-    def __init__(self) -> None:
+
+class ActGradProbe:
+    """The trainer's log-step probe (:class:`ampctl.protect.figures.Probe`) for
+    :class:`ActGradCounter`: hooks open for the log step's forward and backward passes, the
+    three counts summed over ranks on the log read, two row keys (:data:`ROW_KEYS`).
+
+    ``sample``: leaf modules hooked per log step, taken in turn (round-robin over the model), so
+    a log step costs a bounded number of ops whatever the depth of the model; a row's fractions
+    are those of the sampled layers, and successive rows cover the whole model. None: every leaf
+    module on every log step."""
+
+    def __init__(self, sample: int | None = 8) -> None:
         self._counter: ActGradCounter | None = None
+        self.sample = sample
+        self._next = 0  # where the round-robin goes on
+
+    def _sampled(self, model: nn.Module) -> list[nn.Module]:
+        leaves = leaf_modules(model)
+        if self.sample is None or self.sample >= len(leaves):
+            return leaves
+        start = self._next % len(leaves)
+        self._next = start + self.sample
+        return [leaves[(start + i) % len(leaves)] for i in range(self.sample)]
 
     @contextlib.contextmanager
     def sampling(self, model: nn.Module, enabled: bool) -> Iterator[None]:
@@ -120,7 +140,7 @@ class ActGradProbe:
             yield
             return
         counter = ActGradCounter()
-        with counter.hooks(model):
+        with counter.hooks(model, self._sampled(model)):
             self._counter = counter
             yield
 

@@ -7,7 +7,7 @@ The fp8 precision plugin sits on this module; nothing here knows about configs o
   and why the others are not; :func:`demote` turns one converted layer back into a plain
   ``nn.Linear`` holding the same Parameter objects (so optimizer state stays valid). The fp8
   plugin runs the whole forward under bf16 autocast, so a demoted layer computes in bf16.
-* :func:`probe` installs hooks for one sampled step and computes, per converted layer and on
+* :func:`record_casts` installs hooks for one sampled step and computes, per converted layer and on
   the device, the amax of the input, weight and output-gradient and what torchao's cast does to
   each: the fraction of values the cast puts at the format's max (``sat``) and the fraction of
   the nonzero finite values it flushes to zero (``under``).
@@ -71,8 +71,8 @@ __all__ = [
     "is_fp8_layer",
     "demote",
     "cast_formats",
-    "Probe",
-    "probe",
+    "CastRecord",
+    "record_casts",
     "summarize",
     "LayerSample",
     "DemoteRules",
@@ -91,7 +91,7 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
 DIM_MULTIPLE = 16  # torch._scaled_mm on CUDA: both dims of every fp8 operand
 
-# One row per converted layer, from :meth:`Probe.rows`; three casts x three figures.
+# One row per converted layer, from :meth:`CastRecord.rows`; three casts x three figures.
 FIELDS = (
     "in_amax",  # input: max |x| (inf/NaN when the input was not finite)
     "in_sat",  # input: fraction of elements the e4m3 cast puts at +-max
@@ -328,11 +328,11 @@ def _fmt(dtype: torch.dtype) -> str:
     return "e5m2" if "e5m2" in str(dtype) else "e4m3"
 
 
-# ---------------------------------------------------------------------------------- probe
-class Probe:
+# ---------------------------------------------------------------------------------- cast record
+class CastRecord:
     """Per-layer cast health of one sampled step, accumulated on the device.
 
-    Built by :func:`probe`; while it is open every call of a converted layer adds its input and
+    Built by :func:`record_casts`; while it is open every call of a converted layer adds its input and
     weight figures, and a hook on the layer's output adds the output-gradient figures when the
     backward reaches it. A layer called several times (gradient accumulation, weight sharing)
     keeps the max of each figure. Nothing is read on the host.
@@ -429,10 +429,6 @@ class Probe:
             return torch.zeros(0, len(FIELDS))
         return torch.stack([self._rows[n] for n in self.names])
 
-    def per_layer(self) -> dict[str, torch.Tensor]:
-        """``{layer name: row}`` (device tensors, in call order). No host read."""
-        return {n: self._rows[n] for n in self.names}
-
 
 @contextlib.contextmanager
 def _no_autocast(t: torch.Tensor) -> Iterator[None]:
@@ -441,10 +437,10 @@ def _no_autocast(t: torch.Tensor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def probe(model: nn.Module, *, enabled: bool = True) -> Iterator[Probe | None]:
+def record_casts(model: nn.Module, *, enabled: bool = True) -> Iterator[CastRecord | None]:
     """Sample fp8 cast health for the forward and backward run inside the block.
 
-    ``with probe(model, enabled=is_log_step) as p:`` -- run forward and backward inside; then
+    ``with record_casts(model, enabled=is_log_step) as p:`` -- run forward and backward inside; then
     ``p.rows()`` (or ``summarize(p.rows())``) for the log read. Disabled, it yields None and
     installs nothing: the step costs exactly what an unprobed step costs. On exit the forward
     hooks are removed; the output-gradient hooks live on that step's autograd graph and go
@@ -463,7 +459,7 @@ def probe(model: nn.Module, *, enabled: bool = True) -> Iterator[Probe | None]:
             "fp8 probe: pass the eager module (compiled._orig_mod) and run the sampled step "
             "through it; a torch.compile graph does not run hooks added after compiling"
         )
-    p = Probe(model)
+    p = CastRecord(model)
     p._open()
     try:
         yield p

@@ -8,7 +8,7 @@ the overflow history after each step and decides, by the numbered rules of :func
     fallback (next precision of the chain, after restoring) | abort | warn
 
 The rules are a pure function of plain numbers (tested without a model);
-:class:`ampctl.train.protection.Protection` carries the decisions out. Nothing here imports
+:class:`ampctl.protect.protection.Protection` carries the decisions out. Nothing here imports
 anything but the standard library.
 """
 

@@ -1,4 +1,5 @@
-"""LossScaler: a ``torch.amp.GradScaler`` with hysteresis, bounds and observed skips.
+"""LossScaler: a ``torch.amp.GradScaler`` with hysteresis, bounds, observed skips and a record of
+every step, at GradScaler's cost.
 
 Call order (the same as GradScaler)::
 
@@ -14,38 +15,46 @@ What it adds to GradScaler:
 * ``hysteresis`` (DeepSpeed / Megatron): the scale backs off only on the ``hysteresis``-th
   gradient overflow. The counter refills to ``hysteresis`` whenever the scale grows (after
   ``growth_interval`` consecutive clean steps), exactly as Megatron's ``DynamicGradScaler``.
-  With ``hysteresis=1`` every gradient overflow backs off, as in GradScaler.
+  With ``hysteresis=1`` every overflow backs off, as in GradScaler.
 * ``min_scale`` / ``max_scale`` clamp the scale (defaults 1 and Apex's ceiling 2**24;
   ``min_scale=0`` and ``max_scale=inf`` remove the bounds, as in GradScaler).
-* Forward overflow is told apart from gradient overflow (``check_loss=True``): a non-finite loss
-  skips the step and is counted, but the scale is not backed off (a smaller scale cannot cure
-  it). ``check_loss=False`` decides from the gradients only, as GradScaler (a NaN loss gives NaN
-  gradients: skipped and backed off).
+* A record of every step on the device (:mod:`.records`): the scale used, whether it was
+  skipped, the loss ``scale()`` saw (summed over the micro-batches) and the gradient norm the
+  loop reported. A skipped step whose loss was not finite is a *forward* overflow
+  (``check_loss=True``, the default; a smaller scale cannot cure it, which is why ampctl's guard
+  puts the scale back and locates the module); ``check_loss=False`` calls every skip a gradient
+  overflow, as GradScaler would. Counters -- skipped, forward overflows, spikes, overflows in a
+  row -- are reductions over the record, so a clean step pays no op for them.
 * With scaling disabled (``enabled=False``, for bf16 / fp32) non-finite gradients are still
   detected and the step skipped (``check_finite=True``), so a bf16 run never applies a NaN
   update. ``check_finite=False`` makes a disabled scaler a pure pass-through, like GradScaler's.
-* Skips are *observed* (what ``step`` did), not inferred from a change of scale, and kept on the
-  device: total skipped, forward overflows, consecutive overflows, last-step flag and a bounded
-  (update, scale used, kind) history -- kind 0 clean, 1 gradient overflow, 2 forward overflow --
-  all in ``state_dict()``.
+* A spike veto (:meth:`set_spike_thresholds`, used by the guard's spike rule): a step whose loss
+  (or reported gradient norm) is above the threshold in force is skipped on the device, with
+  the same flag the overflow check sets: no host read, fused optimizers included.
+* Skips are *observed* (what ``step`` did), not inferred from a change of scale.
 
-A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true and the
+A GradScaler in every sense: ``isinstance(scaler, torch.amp.GradScaler)`` is true (and so is
+``isinstance(scaler, torch.cuda.amp.GradScaler)``, the deprecated class older code checks) and the
 GradScaler internals training code reaches into act on the live state (:mod:`.scaler_compat`).
 
-Bit for bit: ``LossScaler.like_gradscaler(device, init_scale, growth_factor, backoff_factor,
-growth_interval, enabled)`` takes GradScaler's arguments and sets ``hysteresis=1,
-min_scale=0, max_scale=inf, check_loss=False, check_finite=False``; it then gives GradScaler's
-scale trajectory, skipped steps and weights bit for bit. Any LossScaler with ``hysteresis=1``
-does so while the scale stays within [min_scale, max_scale] (defaults 1 and 2**24), no loss is
-non-finite (or ``check_loss=False``) and, when disabled, no gradient is (or
-``check_finite=False``). One deliberate difference remains: GradScaler grows only when its
+Bit for bit: with ``hysteresis=1`` the scale is updated by GradScaler's own fused kernel
+(``torch._amp_update_scale_``) on GradScaler's found-inf flag, so ``LossScaler.like_gradscaler(
+device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)`` (``hysteresis=1,
+min_scale=0, max_scale=inf, check_loss=False, check_finite=False``) gives GradScaler's scale
+trajectory, skipped steps and weights bit for bit, and any LossScaler with ``hysteresis=1`` does so
+while the scale stays within [min_scale, max_scale] and, when disabled, no gradient is non-finite
+(or ``check_finite=False``). One deliberate difference remains: GradScaler grows only when its
 growth tracker *equals* ``growth_interval``, so after the interval is lowered below the tracker
-it never grows again until an overflow; LossScaler grows at the next clean step.
+it never grows again until an overflow; LossScaler clamps the tracker when the interval is
+lowered and grows at the next clean step.
 
-Host reads: ``step`` reads one flag per optimizer per step (to decide whether to call
-``optimizer.step()``); with an optimizer that handles scaling itself
-(``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) it reads nothing. ``scale``,
-``unscale_``, ``update`` and reading ``_scale`` never read the device.
+Cost per step, counted in device ops (kernel launches on a GPU) by ``tests/amp/test_cost.py``:
+GradScaler's, plus one copy for the record row and one clamp for the bounds (none without
+bounds); the skip flag ``step`` reads is GradScaler's found-inf flag as it is. ``hysteresis > 1``
+runs the rule of :func:`~.scale_rule.next_scale` instead (about 25 ops). Host reads: ``step``
+reads the flag once per step (to decide whether to call ``optimizer.step()``); with an optimizer
+that handles scaling itself (``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) it reads
+nothing. ``scale``, ``unscale_``, ``update`` and reading ``_scale`` never read the device.
 """
 
 from __future__ import annotations
@@ -62,25 +71,20 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from . import records as rec
 from .checks import FieldError, need
 from .checks import is_finite as _finite
 from .checks import is_int as _is_int
 from .scale_rule import _new_scale_tensor, _number, next_scale
 from .scaler_compat import CallOrderError, GradScalerPrivates
+from .scaler_record import _BASE, StepRecord
 
 __all__ = ["CallOrderError", "LossScaler", "OptState", "ScalerConfig", "next_scale"]
 
-# The device tensors besides the history, in the order state_dict() reads them.
-_SCALARS = (
-    "scale",
-    "growth_tracker",
-    "hysteresis_tracker",
-    "skipped_total",
-    "forward_overflows",
-    "consecutive_overflows",
-    "last_skipped",
-)
-_DTYPES = {"scale": torch.float32, "growth_tracker": torch.int32, "hysteresis_tracker": torch.int32}
+# The packed per-step vector: its first four entries are also the first four columns of a record
+# row (one copy writes them), ONE is the unit "scale" of a disabled scaler, NAN the missing
+# gradient norm of a row.
+SCALE, FOUND, LOSS_THR, GNORM_THR, ONE, NAN = range(6)
 
 
 def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
@@ -108,25 +112,25 @@ class ScalerConfig:
             raise FieldError(type(self).__name__, e.field, e.value, e.allowed) from None
 
 
-class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
+class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
     """Dynamic loss scaler and ``torch.amp.GradScaler`` (see the module docstring).
 
     Args:
         init_scale: initial scale, > 0 (default 2**16).
         growth_factor: multiplier after ``growth_interval`` clean steps, > 1.
-        backoff_factor: multiplier on a gradient overflow, in (0, 1).
+        backoff_factor: multiplier on an overflow, in (0, 1).
         growth_interval: consecutive clean steps before growing, >= 1.
-        hysteresis: gradient overflows tolerated before backing off, >= 1 (refilled on growth).
+        hysteresis: overflows tolerated before backing off, >= 1 (refilled on growth).
         min_scale / max_scale: bounds of the scale, 0 <= min_scale <= max_scale <= inf
             (defaults 1 and 2**24; 0 and inf: no bounds).
         enabled: scale the loss. When False the scale is 1 and never changes.
         check_finite: detect non-finite gradients and skip those steps even when ``enabled`` is
             False (bf16 / fp32). Always on when enabled. False with ``enabled=False``: a pure
             pass-through, as a disabled GradScaler (empty ``state_dict()``).
-        check_loss: check the loss in ``scale()``; a non-finite loss skips the step without
-            backing off (forward overflow, counted). False: decide from the gradients only, as
-            GradScaler.
-        history_size: how many (step, scale, skipped) records to keep, >= 1.
+        check_loss: a skipped step whose loss was not finite is recorded as a forward overflow
+            (kind 2). False: every skip is a gradient overflow, as GradScaler sees it.
+        history_size: how many step records to keep on the device, >= 1 (the counters cover
+            every step: older records are folded into them).
         device: GradScaler's device type (``_device``), e.g. ``"cuda"``; only
             ``_lazy_init_scale_growth_tracker(scaler._device)`` callers use it. The state is
             created on the loss's device at the first ``scale()`` either way. Default: the
@@ -165,6 +169,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         # the setters validate (one place for each rule, shared with later changes)
         self.set_growth_factor(growth_factor)
         self.set_backoff_factor(backoff_factor)
+        self._growth_interval = 1
         self.set_growth_interval(growth_interval)
         self.set_hysteresis(hysteresis)
         self.set_bounds(min_scale, max_scale)
@@ -185,26 +190,28 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             "scale": float(min(max(init_scale, min_scale), max_scale)) if self._enabled else 1.0,
             "growth_tracker": 0,
             "hysteresis_tracker": self._hysteresis,
-            "skipped_total": 0,
-            "forward_overflows": 0,
-            "consecutive_overflows": 0,
-            "last_skipped": 0,
-            "history": torch.zeros(0, 3, dtype=torch.float64),
+            **dict.fromkeys(_BASE, 0),
+            "rows": torch.zeros(0, len(rec.COLUMNS)),  # the newest records, oldest first
         }
+        self._spike = (math.inf, math.inf)  # the thresholds in force (host copy)
         self._num_updates = 0
-        self._last_read: bool | None = None
+        self._folded = 0  # records before this update number are in the base counters
+        self._kept = 0  # records in the ring (fewer than history_size after a short load)
+        self._found_taken = False  # an optimizer of this step has the packed found-inf flag
+        self._last_skip_read: bool | None = None  # the last recorded step's _skip_read
         self._t: dict[str, torch.Tensor] | None = None  # device state
-        self._loss_nonfinite: torch.Tensor | None = None  # this step, OR over scale() calls
-        # GradScaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {...}},
-        # plus "flags" once step() has decided.
+        self._loss_sum: torch.Tensor | None = None  # this step: the losses scale() was given
+        self._gnorm: torch.Tensor | None = None  # this step: the gradient norm reported
+        self._last_loss: torch.Tensor | None = None  # the last recorded step's _loss_sum
+        # GradScaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {...}}.
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_opt_state)
-        # What step() read on the host for the last step: True/False (skipped or not), or None
-        # when no read was made (fused optimizer). Free to use: the read already happened.
-        self.last_skip_read: bool | None = None
-        # Distributed hook: given this step's flags (float32 [grad overflow, forward overflow] on
-        # the device), return the flags all ranks agree on (an all-reduce MAX). It runs inside
-        # step(), before the one host read, so every rank skips the same steps and keeps the
-        # same scale. None = single process. Not pickled (it holds process-local handles).
+        # What step() read on the host in this iteration: True/False (skipped or not), or None
+        # when no read was made (fused optimizer); update() hands it to last_skip_read.
+        self._skip_read: bool | None = None
+        # Distributed hook: given this step's found-inf flag (a float32 0-dim device tensor),
+        # return the flag all ranks agree on (an all-reduce MAX). It runs inside step(), before
+        # the one host read, so every rank skips the same steps and keeps the same scale. None =
+        # single process. Not pickled (it holds process-local handles).
         self.reduce_flags: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
@@ -251,18 +258,44 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     def _lazy_init(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._t is None:
             i = self._init
-            t = {
-                k: torch.full((), i[k], dtype=_DTYPES.get(k, torch.int64), device=device)
-                for k in _SCALARS
-            }
-            t["history"] = torch.zeros(self._history_size, 3, dtype=torch.float64, device=device)
-            old = i["history"][-self._history_size :]
-            n = old.shape[0]
-            # ring buffer: record k lives at row k % history_size
-            for k in range(n):
-                t["history"][(self._num_updates - n + k) % self._history_size] = old[k]
-            self._t = t
+            vec = torch.tensor(
+                [i["scale"], 0.0, self._spike[0], self._spike[1], 1.0, math.nan],
+                dtype=torch.float32,
+                device=device,
+            )
+            history = torch.full(
+                (self._history_size, len(rec.COLUMNS)), math.nan, dtype=torch.float32, device=device
+            )
+            rows = i["rows"][-self._history_size :]
+            n = rows.shape[0]
+            if n:  # ring buffer: record k lives at row k % history_size
+                idx = torch.arange(self._num_updates - n, self._num_updates) % self._history_size
+                history[idx.to(device)] = rows.to(device, torch.float32)
+            self._t = self._views(
+                {
+                    "vec": vec,
+                    "growth_tracker": torch.full(
+                        (), i["growth_tracker"], dtype=torch.int32, device=device
+                    ),
+                    "hysteresis_tracker": torch.full(
+                        (), i["hysteresis_tracker"], dtype=torch.int32, device=device
+                    ),
+                    "history": history,
+                    "base": torch.tensor(
+                        i.get("base") or [i[k] for k in _BASE], dtype=torch.float64, device=device
+                    ),
+                }
+            )
+            self._folded = self._num_updates - n
+            self._kept = n
         return self._t
+
+    @staticmethod
+    def _views(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The named views into the packed vector (no copy: writing one writes the vector)."""
+        v = t["vec"]
+        t.update(scale=v[SCALE], found=v[FOUND], one=v[ONE], nan=v[NAN : NAN + 1])
+        return t
 
     def init_state(self, device: torch.device | str) -> None:
         """Create the device state now (otherwise the first ``scale()`` does, on the loss's
@@ -272,22 +305,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     @property
     def device(self) -> torch.device | None:
         """Device of the scaler's state (None before the first ``scale()``)."""
-        return None if self._t is None else self._t["scale"].device
-
-    def _values(self, history: bool = True) -> dict[str, Any]:
-        """The state as host values, in the form of ``_init`` (without ``history`` unless
-        asked). **Syncs**: one transfer for the scalars, one for the history."""
-        if self._t is None:
-            vals = dict(self._init)
-        else:
-            read = torch.stack([self._t[k].double() for k in _SCALARS]).tolist()
-            vals = {k: int(v) for k, v in zip(_SCALARS, read, strict=True)}
-            vals["scale"] = float(read[0])
-        if history:
-            vals["history"] = self._history_tensor()
-        else:
-            vals.pop("history", None)
-        return vals
+        return None if self._t is None else self._t["vec"].device
 
     def _assign(self, key: str, value: Any) -> None:
         """``scaler._scale = v`` / ``scaler._growth_tracker = v``: write into the live tensor
@@ -308,7 +326,9 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             self._lazy_init(v.device)
         assert self._t is not None
         if v.device != self._t[key].device:
-            self._t = {k: t.to(v.device) for k, t in self._t.items()}
+            moved = {k: self._t[k].to(v.device) for k in ("vec", "growth_tracker",
+                     "hysteresis_tracker", "history", "base")}  # fmt: skip
+            self._t = self._views(moved)
         with torch.no_grad():
             self._t[key].copy_(v.reshape(()))
 
@@ -316,19 +336,18 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     def scale(self, outputs):
         """Multiply a loss (or a tensor / nested iterable of tensors) by the scale.
 
-        With ``check_loss`` also records, on the device, whether the loss is finite
-        (forward-overflow detection). Disabled: returns ``outputs`` itself. Does not read the
+        Records the loss for the step's record (the sum over the micro-batches' ``scale()``
+        calls; no op for the first). Disabled: returns ``outputs`` itself. Does not read the
         device on the host.
         """
         if not self._check_finite:
             return outputs
         if isinstance(outputs, torch.Tensor):
             t = self._lazy_init(outputs.device)
-            if self._check_loss:
-                nonfinite = ~torch.isfinite(outputs.detach()).all()
-                self._loss_nonfinite = (
-                    nonfinite if self._loss_nonfinite is None else self._loss_nonfinite | nonfinite
-                )
+            loss = outputs.detach()
+            if loss.numel() != 1:
+                loss = loss.float().sum()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
             if not self._enabled:
                 return outputs
             return outputs * t["scale"].to(device=outputs.device, non_blocking=True)
@@ -367,6 +386,20 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
                     grads.append(p.grad)
         return grads
 
+    def _fresh_found(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This step's found-inf flag for the next optimizer checked: the first gets the packed
+        flag, reset by the spike veto of the step's loss (``loss > threshold``, which writes 0 or
+        1: the reset and the veto in one op); another optimizer of the same step gets a flag of
+        its own, combined in ``update()``. No host read."""
+        if self._found_taken:
+            return torch.zeros((), dtype=torch.float32, device=t["vec"].device)
+        self._found_taken = True
+        if self._loss_sum is not None and self._spike[0] < math.inf:
+            torch.gt(self._loss_sum, t["vec"][LOSS_THR], out=t["found"])
+        else:
+            t["found"].zero_()
+        return t["found"]
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale and check them for inf/NaN (fused).
 
@@ -388,43 +421,69 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
                 "or call update() to start the next step."
             )
         scale = t["scale"]
-        # the reciprocal in float64, as GradScaler (MPS has no float64)
-        inv = (
-            scale.reciprocal()
-            if scale.device.type == "mps"
-            else scale.double().reciprocal().float()
-        )
-        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        if not self._enabled:
+            inv = t["one"]  # nothing to divide: the check alone
+        else:  # the reciprocal in float64, as GradScaler (MPS has no float64)
+            inv = (
+                scale.reciprocal()
+                if scale.device.type == "mps"
+                else scale.double().reciprocal().float()
+            )
         st["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv, found, allow_fp16=not self._enabled
+            optimizer, inv, self._fresh_found(t), allow_fp16=not self._enabled
         )
         st["stage"] = OptState.UNSCALED
 
-    def _flags(self, found_per_device: dict[Any, torch.Tensor]) -> torch.Tensor:
-        """``[gradient overflow, forward overflow]`` for one optimizer as a float32 2-vector on
-        the scale's device, agreed across ranks by ``reduce_flags`` when set. No host read."""
-        t = self._t
-        assert t is not None
-        dev = t["scale"].device
-        grad = torch.zeros((), dtype=torch.float32, device=dev)
-        for f in found_per_device.values():
-            grad = grad + f.to(dev, non_blocking=True).reshape(())
-        fwd = (
-            self._loss_nonfinite.to(dev).float()
-            if self._loss_nonfinite is not None
-            else torch.zeros((), dtype=torch.float32, device=dev)
-        )
-        flags = (torch.stack([grad, fwd]) > 0).float()
-        if self.reduce_flags is not None:
-            flags = self.reduce_flags(flags)
-        return flags
+    def report_grad_norm(self, norm: torch.Tensor) -> None:
+        """The loop's gradient norm for this step (``clip_grad_norm_``'s result: after
+        ``unscale_``, before ``step``): kept in the step's record, and with a gradient-norm
+        threshold in force (:meth:`set_spike_thresholds`) a norm above it vetoes the step, on
+        the device (two ops). No host read."""
+        if not self._check_finite or self._t is None:
+            return
+        self._gnorm = norm.detach().float().reshape(())
+        if self._spike[1] < math.inf:
+            t = self._t
+            torch.maximum(t["found"], torch.gt(self._gnorm, t["vec"][GNORM_THR]), out=t["found"])
+
+    def set_spike_thresholds(self, loss: float = math.inf, grad_norm: float = math.inf) -> None:
+        """Veto (skip, on the device) a step whose loss is above ``loss`` or whose reported
+        gradient norm is above ``grad_norm``; ``inf`` turns a rule off. The guard's spike rule
+        sets them at each log read from the recent record. Thresholds are recorded with every
+        step, so a vetoed step reads as a spike. No host read."""
+        for name, v in (("loss", loss), ("grad_norm", grad_norm)):
+            if not _number(v) or math.isnan(v):
+                raise ValueError(f"LossScaler.set_spike_thresholds: {name}={v!r} is not a number")
+        new = (float(loss), float(grad_norm))
+        if new == self._spike:
+            return
+        self._spike = new
+        if self._t is not None:
+            vec = self._t["vec"]
+            vec[LOSS_THR].fill_(new[0])
+            vec[GNORM_THR].fill_(new[1])
+
+    @property
+    def spike_thresholds(self) -> tuple[float, float]:
+        """``(loss, grad_norm)`` thresholds in force (``inf``: off)."""
+        return self._spike
+
+    def _agree(self, found_per_device: dict[Any, torch.Tensor]) -> None:
+        """Across ranks (``reduce_flags`` set): every flag becomes the one all ranks agree on,
+        in place, before it is read or handed to the optimizer. No host read (a collective)."""
+        if self.reduce_flags is None:
+            return
+        for v in found_per_device.values():
+            agreed = self.reduce_flags(v)
+            if agreed is not v:
+                v.copy_(agreed.reshape(v.shape))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         """Unscale (if not done yet) and run ``optimizer.step()`` unless the step overflowed.
 
         A skipped step leaves weights and optimizer state untouched; gradients stay unscaled.
-        **Syncs once** (reads the skip flag) -- except with an optimizer that supports AMP
-        scaling natively (``_step_supports_amp_scaling``): one whose ``step`` takes
+        **Syncs once** (reads the found-inf flag, as GradScaler) -- except with an optimizer that
+        supports AMP scaling natively (``_step_supports_amp_scaling``): one whose ``step`` takes
         ``grad_scaler`` gets this scaler (GradScaler's deprecated protocol, with its
         FutureWarning), any other (e.g. fused AdamW) gets ``grad_scale`` / ``found_inf`` tensors
         and skips on the device: no host read.
@@ -448,7 +507,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             return self._amp_aware_step(optimizer, st, args, kwargs)
         if st["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        st["flags"] = self._flags(st["found_inf_per_device"])
+        self._agree(st["found_inf_per_device"])
         retval = self._maybe_opt_step(optimizer, st, *args, **kwargs)
         st["stage"] = OptState.STEPPED
         return retval
@@ -460,12 +519,10 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ):
-        """Call ``optimizer.step()`` unless this step's flags say overflow. **Syncs once.**"""
-        flags = optimizer_state.get("flags")
-        if flags is None:
-            flags = optimizer_state["flags"] = self._flags(optimizer_state["found_inf_per_device"])
-        skip = bool(flags.amax().item())  # the one host read of the step
-        self.last_skip_read = skip if self.last_skip_read is None else (self.last_skip_read or skip)
+        """Call ``optimizer.step()`` unless a found-inf flag of the step is set. **Syncs once**
+        per device (one on a single device), as GradScaler."""
+        skip = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._skip_read = skip if self._skip_read is None else (self._skip_read or skip)
         return None if skip else optimizer.step(*args, **kwargs)
 
     def _unchecked_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -473,9 +530,11 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         t = self._lazy_init(params[0].device if params else torch.device("cpu"))
         st = self._per_optimizer_states[id(optimizer)]
-        st["flags"] = torch.zeros(2, dtype=torch.float32, device=t["scale"].device)
+        found = self._fresh_found(t)
+        found.zero_()  # unchecked: clean whatever the loss was
+        st["found_inf_per_device"] = {found.device: found}
         st["stage"] = OptState.STEPPED
-        self.last_skip_read = None
+        self._skip_read = None
         return optimizer.step(*args, **kwargs)
 
     def _amp_aware_step(
@@ -487,7 +546,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     ):
         """``step`` for an optimizer with ``_step_supports_amp_scaling``. No host read."""
         assert self._t is not None
-        self.last_skip_read = None  # no read: the step's outcome is not known on the host
+        self._skip_read = None  # no read: the step's outcome is not known on the host
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             warnings.warn(
                 "LossScaler passes itself as grad_scaler= to this optimizer, as GradScaler does; "
@@ -498,7 +557,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             )
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             # what the optimizer recorded (via unscale_ / _check_inf_per_device) decides update()
-            st["flags"] = self._flags(st["found_inf_per_device"])
+            self._agree(st["found_inf_per_device"])
             st["stage"] = OptState.STEPPED
             return retval
         user_scale = getattr(optimizer, "grad_scale", None)
@@ -507,9 +566,13 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
             if self._enabled:  # the kernel unscales: hand it the scale (times the user's own)
                 scale = self._t["scale"]
                 user_scale = scale if user_scale is None else scale * user_scale
-        st["flags"] = self._flags(st["found_inf_per_device"])
+        found = st["found_inf_per_device"]
+        self._agree(found)
+        flags = list(found.values())
         optimizer.grad_scale = user_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = st["flags"].amax()  # type: ignore[attr-defined]
+        optimizer.found_inf = (  # type: ignore[attr-defined]
+            flags[0] if len(flags) == 1 else sum(f.to(flags[0].device) for f in flags)
+        )
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
@@ -521,70 +584,119 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Record the step (skipped or not) and update the scale, all on the device.
 
-        The overflow flags of every optimizer stepped -- or only unscaled / checked -- this
-        iteration count. ``new_scale`` (a number or a one-element tensor, copied) sets the scale
-        by hand, clamped to the bounds; the growth tracker is left as it is, as in GradScaler.
-        Does not read the device.
+        The found-inf flags of every optimizer stepped -- or only unscaled / checked -- this
+        iteration count. With ``hysteresis=1`` the scale follows GradScaler's own kernel (one
+        op), then the bounds (one clamp); ``new_scale`` (a number or a one-element tensor,
+        copied) sets the scale by hand, clamped to the bounds, leaving the growth tracker as it
+        is (as in GradScaler). Does not read the device.
         """
         if not self._check_finite:
             return
         t = self._require_init("update")
-        self._last_read = self.last_skip_read
-        self.last_skip_read = None
-        recorded = [
-            s["flags"] if "flags" in s else self._flags(s["found_inf_per_device"])
+        self._last_skip_read, self._skip_read = self._skip_read, None
+        flags = [
+            v
             for s in self._per_optimizer_states.values()
-            if "flags" in s or s["found_inf_per_device"]
+            for v in s["found_inf_per_device"].values()
         ]
-        if not recorded and new_scale is None:
+        if not flags and new_scale is None:
             raise CallOrderError(
                 "LossScaler.update() was called before step(): call scaler.step(optimizer) for "
                 "every optimizer, then update() once per iteration."
             )
-        dev = t["scale"].device
-        flags = torch.stack(recorded).amax(0) if recorded else torch.zeros(2, device=dev)
-        fwd = flags[1] > 0
-        grad_overflow = (flags[0] > 0) & ~fwd
-        skipped_b = (flags[0] > 0) | fwd
-        used_scale = t["scale"].clone()
+        found = t["found"]
+        if flags:
+            for v in flags:  # other optimizers and devices: one flag for the step
+                if v is not found:
+                    torch.maximum(found, v.to(found.device), out=found)
+            self._record(t)
         if new_scale is not None:
             value = _new_scale_tensor(new_scale)
             if self._enabled:
-                t["scale"].copy_(value.to(dev).clamp(self._min_scale, self._max_scale))
-        elif self._enabled:
-            s, g, h = next_scale(
+                t["scale"].copy_(value.to(found.device).clamp(self._min_scale, self._max_scale))
+        elif self._enabled and flags:
+            self._update_scale(t)
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        """Forget the step under way (its losses, norm, flags, per-optimizer stages)."""
+        self._loss_sum = self._gnorm = None
+        self._found_taken = False
+        self._per_optimizer_states = defaultdict(_fresh_opt_state)
+
+    def _record(self, t: dict[str, torch.Tensor]) -> None:
+        """Write the step's record row (one copy: the packed vector's first four entries, the
+        loss, the gradient norm), folding the oldest records into the counters first when the
+        ring is full (every ``history_size`` steps). No host read."""
+        if self._num_updates - self._folded >= self._history_size:
+            self._fold(t)
+        loss = self._loss_sum.reshape(1) if self._loss_sum is not None else t["nan"]
+        gnorm = self._gnorm.reshape(1) if self._gnorm is not None else t["nan"]
+        row = t["history"][self._num_updates % self._history_size]
+        torch.cat([t["vec"][:4], loss, gnorm], out=row)
+        self._num_updates += 1
+        self._kept = min(self._kept + 1, self._history_size)
+        self._last_loss = self._loss_sum
+
+    def _fold(self, t: dict[str, torch.Tensor]) -> None:
+        """Add every unfolded record to the base counters (the ring is about to wrap)."""
+        c = rec.counts(self._rows(self._num_updates - self._folded), check_loss=self._check_loss)
+        base = t["base"]
+        run = c[3] + c[4] * base[3]  # a run of skips that began before these records goes on
+        base[:3] += c[:3]
+        base[3] = run
+        self._folded = self._num_updates
+
+    def _update_scale(self, t: dict[str, torch.Tensor]) -> None:
+        """The scale rule. ``hysteresis=1``: GradScaler's fused kernel, then the bounds (one
+        clamp; none without bounds): every skipped step backs off, as in GradScaler. Otherwise
+        :func:`~.scale_rule.next_scale`, which keeps the scale on a forward overflow or a spike
+        (read from the step's record). No host read."""
+        found = t["found"]
+        if self._hysteresis == 1:
+            torch._amp_update_scale_(
                 t["scale"],
                 t["growth_tracker"],
-                t["hysteresis_tracker"],
-                grad_overflow,
-                fwd,
-                growth_factor=self._growth_factor,
-                backoff_factor=self._backoff_factor,
-                growth_interval=self._growth_interval,
-                hysteresis=self._hysteresis,
-                min_scale=self._min_scale,
-                max_scale=self._max_scale,
+                found,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
             )
-            t["scale"].copy_(s)
-            t["growth_tracker"].copy_(g)
-            t["hysteresis_tracker"].copy_(h)
-        if recorded:
-            sk = skipped_b.long()
-            t["skipped_total"].add_(sk)
-            t["forward_overflows"].add_(fwd.long())
-            t["consecutive_overflows"].mul_(sk).add_(sk)
-            t["last_skipped"].copy_(sk)
-            row = torch.stack(
-                [
-                    torch.full((), float(self._num_updates + 1), dtype=torch.float64, device=dev),
-                    used_scale.double(),
-                    (sk + fwd.long()).double(),  # 0 clean, 1 gradient overflow, 2 forward
-                ]
-            )
-            t["history"][self._num_updates % self._history_size].copy_(row)
-            self._num_updates += 1
-        self._loss_nonfinite = None
-        self._per_optimizer_states = defaultdict(_fresh_opt_state)
+            if self._min_scale > 0 or self._max_scale < math.inf:
+                t["scale"].clamp_(self._min_scale, self._max_scale)
+            return
+        # the slow path tells the kinds apart on the device: a forward overflow (a loss that is
+        # not finite) or a spike is skipped without touching the scale or the trackers
+        row = t["history"][(self._num_updates - 1) % self._history_size]
+        loss, gnorm = row[rec.LOSS], row[rec.GNORM]
+        no_backoff = (
+            ~torch.isfinite(loss) if self._check_loss else torch.zeros_like(found, dtype=torch.bool)
+        )
+        no_backoff = no_backoff | (loss > row[rec.LOSS_THR]) | (gnorm > row[rec.GNORM_THR])
+        skipped = found > 0
+        s, g, h = next_scale(
+            t["scale"],
+            t["growth_tracker"],
+            t["hysteresis_tracker"],
+            skipped & ~no_backoff,
+            skipped & no_backoff,
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+        )
+        t["scale"].copy_(s)
+        t["growth_tracker"].copy_(g)
+        t["hysteresis_tracker"].copy_(h)
+
+    def restore_scale(self, factor: float) -> None:
+        """Multiply the scale by ``factor``, within the bounds (the guard undoes a back-off that
+        a forward overflow or a spike caused: a smaller scale cures neither). No host read."""
+        if not self._enabled or self._t is None:
+            return
+        self._t["scale"].mul_(float(factor)).clamp_(self._min_scale, self._max_scale)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when scaling is disabled). **Syncs.**"""
@@ -595,6 +707,12 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
     def get_scale_tensor(self) -> torch.Tensor | None:
         """The scale as a 0-dim device tensor (None before the first ``scale()``). No host read."""
         return None if self._t is None else self._t["scale"]
+
+    def skip_flag(self) -> torch.Tensor | None:
+        """This step's found-inf flag (1.0: skipped) as a 0-dim device tensor, valid from
+        ``step()`` until the next step's ``unscale_``: what a loop with a fused optimizer uses to
+        count applied updates without a host read. None before the first ``scale()``."""
+        return None if self._t is None else self._t["found"]
 
     def is_enabled(self) -> bool:
         """Whether the loss is scaled (detection may still be on; see ``check_finite``)."""
@@ -622,13 +740,24 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         self._backoff_factor = float(new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """Change the growth interval. A lower one clamps the growth tracker below it, so the
+        scale grows at the next clean step (GradScaler's kernel grows only at equality)."""
         _check_range(
             "growth_interval",
             new_interval,
             _is_int(new_interval) and new_interval >= 1,
             "an integer >= 1",
         )
+        lower = int(new_interval) < self._growth_interval
         self._growth_interval = int(new_interval)
+        if not lower:
+            return
+        t = getattr(self, "_t", None)
+        if t is not None:
+            t["growth_tracker"].clamp_(max=self._growth_interval - 1)
+        elif hasattr(self, "_init"):
+            tr = self._init["growth_tracker"]
+            self._init["growth_tracker"] = min(tr, self._growth_interval - 1)
 
     def set_hysteresis(self, hysteresis: int) -> None:
         """Change the hysteresis (takes effect when the counter next refills)."""
@@ -670,187 +799,23 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         return self._history_size
 
     @property
-    def last_step_skipped_host(self) -> bool | None:
-        """Whether the last step was skipped, as ``step()`` read it (no new read); None when
-        ``step()`` made no read (fused optimizer) -- then use ``last_step_skipped`` (syncs)."""
-        return self._last_read
-
-    def device_counters(self) -> dict[str, torch.Tensor]:
-        """The device tensors behind the counters (scale, skipped_total, forward_overflows,
-        consecutive_overflows, last_skipped). No host read; do not modify them."""
-        t = self._require_init("device_counters")
-        return {
-            k: t[k]
-            for k in (
-                "scale",
-                "skipped_total",
-                "forward_overflows",
-                "consecutive_overflows",
-                "last_skipped",
-            )
-        }
-
-    def recent_skips(self, window: int) -> torch.Tensor:
-        """Number of skipped steps among the last ``window`` recorded ones (device tensor, no
-        host read); at most ``history_size`` steps are remembered."""
-        t = self._require_init("recent_skips")
-        n = min(window, self._num_updates, self._history_size)
-        if n == 0:
-            return torch.zeros((), dtype=torch.float64, device=t["scale"].device)
-        dev = t["history"].device
-        idx = (
-            torch.arange(self._num_updates - n, self._num_updates, device=dev) % self._history_size
-        )
-        return (t["history"][idx, 2] > 0).sum().double()
-
-    def recent_history(self, n: int) -> torch.Tensor:
-        """The last ``n`` records (at most ``history_size``) as a device tensor of rows
-        ``(update number, scale used, kind)``, kind 0 clean, 1 gradient overflow, 2 forward
-        overflow (non-finite loss). No host read."""
-        t = self._require_init("recent_history")
-        n = min(n, self._num_updates, self._history_size)
-        idx = torch.arange(self._num_updates - n, self._num_updates, device=t["history"].device)
-        return t["history"][idx % self._history_size]
-
-    # ------------------------------------------------------------------ observed skips
-    def _read(self, key: str) -> int:
-        return int(self._t[key].item()) if self._t is not None else int(self._init[key])
+    def check_loss(self) -> bool:
+        return self._check_loss
 
     @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last step (at ``update()``) was skipped. **Syncs.**"""
-        return bool(self._read("last_skipped"))
+    def last_step_loss(self) -> torch.Tensor | None:
+        """The sum of the losses ``scale()`` was given in the last recorded step (one per
+        micro-batch: with the usual ``loss / accumulation_steps`` that is the step's mean loss),
+        as a device tensor; None before the first step or when ``scale()`` got no tensor. No
+        host read."""
+        return self._last_loss
 
     @property
-    def skipped_steps(self) -> int:
-        """Total skipped steps since the start (kept across checkpoints). **Syncs.**"""
-        return self._read("skipped_total")
-
-    @property
-    def forward_overflows(self) -> int:
-        """Steps skipped because the loss itself was non-finite. **Syncs.**"""
-        return self._read("forward_overflows")
-
-    @property
-    def consecutive_overflows(self) -> int:
-        """Skipped steps in a row up to the last one (0 after a clean step). **Syncs.**"""
-        return self._read("consecutive_overflows")
-
-    @property
-    def num_steps(self) -> int:
-        """Number of ``update()`` calls that recorded a step (host counter, no read)."""
-        return self._num_updates
-
-    def history(self) -> list[tuple[int, float, bool]]:
-        """The last ``history_size`` records ``(step, scale used, skipped)``, oldest first. **Syncs.**"""
-        return [(int(s), float(sc), bool(k)) for s, sc, k in self._history_tensor().tolist()]
-
-    def _history_tensor(self) -> torch.Tensor:
-        if self._t is None:  # loaded from a longer ring: the newest history_size, as _lazy_init
-            return self._init["history"][-self._history_size :].clone()
-        n = min(self._num_updates, self._history_size)
-        idx = [(self._num_updates - n + k) % self._history_size for k in range(n)]
-        return self._t["history"][idx].cpu() if idx else torch.zeros(0, 3, dtype=torch.float64)
-
-    def stats(self) -> dict[str, Any]:
-        """Scale and skip counters as Python values, read in one transfer. **Syncs.**"""
-        v = self._values(history=False)
-        return {
-            "scale": float(v["scale"]) if self._enabled else 1.0,
-            "skipped_total": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "last_skipped": bool(v["last_skipped"]),
-            "steps": self._num_updates,
-        }
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """GradScaler's keys plus hysteresis, bounds, counters and history. **Syncs.**
-
-        Only plain numbers and CPU tensors: loadable with ``torch.load(weights_only=True)``, and
-        by a GradScaler (which reads its five keys). A pure pass-through (disabled,
-        ``check_finite=False``) returns ``{}``, as a disabled GradScaler.
-        """
-        if not self._check_finite:
-            return {}
-        v = self._values()
-        return {
-            "scale": float(v["scale"]),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": int(v["growth_tracker"]),
-            "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": int(v["hysteresis_tracker"]),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "enabled": self._enabled,
-            "skipped_total": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "last_skipped": int(v["last_skipped"]),
-            "num_updates": self._num_updates,
-            "history": v["history"],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from ``state_dict()``; a GradScaler state dict is accepted too (counters and
-        history then start from zero). Created device tensors are overwritten in place, so a
-        held ``scaler._scale`` stays live. A disabled scaler ignores an empty dict (what a
-        disabled GradScaler saves); a pure pass-through ignores any."""
-        if not self._check_finite:
-            return
-        if not state_dict:
-            if not self._enabled:
-                return
-            raise RuntimeError(
-                "LossScaler.load_state_dict: the state dict is empty (saved from a disabled "
-                "GradScaler?); nothing to restore."
-            )
-        missing = [
-            k
-            for k in (
-                "scale",
-                "growth_factor",
-                "backoff_factor",
-                "growth_interval",
-                "_growth_tracker",
-            )
-            if k not in state_dict
-        ]
-        if missing:
-            raise KeyError(f"LossScaler.load_state_dict: missing keys {missing}")
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._min_scale = float(state_dict.get("min_scale", self._min_scale))
-        self._max_scale = float(state_dict.get("max_scale", self._max_scale))
-        self._num_updates = int(state_dict.get("num_updates", 0))
-        hist = state_dict.get("history")
-        self._init = {
-            "scale": float(state_dict["scale"]) if self._enabled else 1.0,
-            "growth_tracker": int(state_dict["_growth_tracker"]),
-            "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self._hysteresis)),
-            "skipped_total": int(state_dict.get("skipped_total", 0)),
-            "forward_overflows": int(state_dict.get("forward_overflows", 0)),
-            "consecutive_overflows": int(state_dict.get("consecutive_overflows", 0)),
-            "last_skipped": int(state_dict.get("last_skipped", 0)),
-            "history": (
-                torch.as_tensor(hist, dtype=torch.float64).reshape(-1, 3)
-                if hist is not None
-                else torch.zeros(0, 3, dtype=torch.float64)
-            ),
-        }
-        old, self._t = self._t, None
-        self._loss_nonfinite = None
-        self._per_optimizer_states = defaultdict(_fresh_opt_state)
-        if old is not None:
-            new = self._lazy_init(old["scale"].device)
-            for k in _SCALARS:  # keep the live tensors, as GradScaler's fill_
-                old[k].copy_(new[k])
-                new[k] = old[k]
+    def last_skip_read(self) -> bool | None:
+        """Whether the last recorded step was skipped, as ``step()`` read it on the host (no new
+        read); None when ``step()`` made no read (fused optimizer) -- then use
+        ``last_step_skipped`` (syncs)."""
+        return self._last_skip_read
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle / deepcopy between iterations only (as GradScaler): the device state goes as
@@ -864,7 +829,7 @@ class LossScaler(GradScalerPrivates, torch.amp.GradScaler):
         state = self.__dict__.copy()
         state["_init"] = self._values()
         state["_t"] = None
-        state["_loss_nonfinite"] = None
+        state["_loss_sum"] = state["_gnorm"] = state["_last_loss"] = None
         state["reduce_flags"] = None
         state["_per_optimizer_states"] = defaultdict(_fresh_opt_state)
         return state

@@ -168,11 +168,11 @@ class GradScalerPrivates:
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
         """Check ``optimizer``'s gradients for inf/NaN without unscaling them; record and return
         the per-device flags (the stage stays as it is). No host read."""
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        one = torch.ones((), dtype=torch.float32, device=scale.device)
-        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        t = self._require_init("_check_inf_per_device")
         st = self._per_optimizer_states[id(optimizer)]
-        st["found_inf_per_device"] = self._unscale_grads_(optimizer, one, found, True)
+        st["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, t["one"], self._fresh_found(t), True
+        )
         return st["found_inf_per_device"]
 
     def _unscale_grads_(

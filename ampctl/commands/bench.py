@@ -135,7 +135,7 @@ class _BareLoop:
         self.device = trainer.device
         self.accum = cfg.trainer.grad_accum_steps
         self.clip = cfg.optim.clip_grad_norm
-        self.model = build_model(cfg).to(self.device)
+        self.model = build_model(cfg.model).to(self.device)
         self.model.load_state_dict(trainer.model.state_dict())  # casts fp16-pure weights up
         if trainer.precision.master is not None:  # fp16-pure: the exact fp32 values are the masters
             own = dict(self.model.named_parameters())
@@ -164,12 +164,12 @@ class _BareLoop:
             growth_interval=s.growth_interval,
             enabled=self.policy.needs_scaler,
         )
-        self.data = build_data_source(cfg)
+        self.data = build_data_source(cfg.data, model=cfg.model, seed=cfg.trainer.seed)
 
     def step(self) -> float:
         """One optimizer step; returns its wall time. GradScaler.step reads its found-inf flag
         on the host (one sync), as the protected loop does."""
-        from ampctl.train.builders import extract_loss
+        from ampctl.protect.loss import extract_loss
 
         t0 = _clock(self.device)
         for _ in range(self.accum):

@@ -22,10 +22,17 @@ __all__ = ["run_train", "resume_config"]
 
 def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
     """The checkpoint's config with plain ``key=value`` overrides applied on top (the saved
-    config is data: see :func:`ampctl.config.config_from_saved`)."""
-    return config_from_saved(
-        ckpt["config"], overrides, source=f"checkpoint {ckpt.get('path')}", trust_code=trust_code
-    )
+    config is data: see :func:`ampctl.config.config_from_saved`); its model's dimensions are
+    checked against the checkpoint's tensors before anything is built
+    (:func:`ampctl.trust.check_model_fits`)."""
+    from ampctl.train.builders import build_model
+    from ampctl.trust import check_model_fits
+
+    source = f"checkpoint {ckpt.get('path')}"
+    cfg = config_from_saved(ckpt["config"], overrides, source=source, trust_code=trust_code)
+    state = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
+    check_model_fits(lambda: build_model(cfg.model), state, source=source, flag=None)
+    return cfg
 
 
 def _as_given(path: Path, given: Path) -> Path:
@@ -79,9 +86,10 @@ def run_train(
     mode: str = "auto",
     console: Console | None = None,
 ) -> int:
+    from ampctl.protect.records import write_config
+    from ampctl.runlog.writers import new_run_dir
     from ampctl.train.checkpoint import load_checkpoint
     from ampctl.train.dist import init_distributed
-    from ampctl.train.run import new_run_dir
     from ampctl.train.trainer import Trainer
     from ampctl.ui.display import Display
 
@@ -131,7 +139,7 @@ def run_train(
         trainer.log.event(fork_event(parent, Path(ck["path"]), ck["step"]))
     if not ctx.is_main:
         return trainer.run().exit_code
-    RunLayout(run_dir).config.write_text(to_yaml(cfg))
+    write_config(run_dir, cfg.to_dict())
     with display:
         result = trainer.run()
     _report(console, display, trainer, result, cfg, run_dir)

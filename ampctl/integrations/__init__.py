@@ -1,7 +1,7 @@
 """ampctl inside training code that ampctl did not start.
 
 * :class:`ProtectedRun` (this package, torch only): the overflow guard
-  (:class:`~ampctl.train.protection.Protection`: attribution, rollback, forward-overflow locate and
+  (:class:`~ampctl.protect.protection.Protection`: attribution, rollback, forward-overflow locate and
   fp32 promotion, skip budget, floor policy) and an ampctl run folder (``metrics.jsonl``,
   ``events.jsonl``, ``summary.json``) for any loop that steps a
   :class:`~ampctl.amp.LossScaler` -- a hand-written loop, an Accelerate loop, or a framework's.
@@ -18,6 +18,7 @@ to install it when it is missing.
 
 from __future__ import annotations
 
-from .run import IntegrationError, ProtectedRun, require
+from .common import IntegrationError, require
+from .protected_run import LoopInfo, ProtectedRun
 
-__all__ = ["IntegrationError", "ProtectedRun", "require"]
+__all__ = ["IntegrationError", "LoopInfo", "ProtectedRun", "require"]

@@ -48,7 +48,8 @@ import torch
 
 from ampctl.amp import LossScaler
 
-from .run import IntegrationError, ProtectedRun, require, share_flags
+from .common import IntegrationError, require, share_flags
+from .protected_run import LoopInfo, ProtectedRun
 
 require("accelerate", "accelerate", "ampctl.integrations.accelerate")
 
@@ -87,8 +88,8 @@ class AmpctlAcceleratedOptimizer(AcceleratedOptimizer):
         """Whether the last step was skipped: what the scaler read, or with a fused optimizer
         (nothing read) the scaler's device flag, which **syncs**."""
         sc = self.scaler
-        if isinstance(sc, LossScaler) and sc.num_steps > 0:
-            read = sc.last_step_skipped_host
+        if isinstance(sc, LossScaler) and sc.num_updates > 0:
+            read = sc.last_skip_read
             return read if read is not None else sc.last_step_skipped
         return self._is_overflow
 
@@ -202,10 +203,15 @@ def protected_run(
             "protected_run: the Accelerator has no ampctl LossScaler; call "
             "install_scaler(accelerator) before accelerator.prepare(...)"
         )
-    kwargs.setdefault("fallback_unavailable", ACCELERATE_AUTOCAST)
-    kwargs.setdefault("framework", "accelerate")
-    kwargs.setdefault("is_main", accelerator.is_main_process)
-    kwargs.setdefault("config", {"accelerate": {"project_dir": accelerator.project_dir}})
+    kwargs.setdefault(
+        "loop",
+        LoopInfo(
+            framework="accelerate",
+            config={"accelerate": {"project_dir": accelerator.project_dir}},
+            fallback_unavailable=ACCELERATE_AUTOCAST,
+            is_main=accelerator.is_main_process,
+        ),
+    )
     run = ProtectedRun(
         accelerator.unwrap_model(model),
         optimizer,

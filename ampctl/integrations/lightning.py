@@ -47,9 +47,13 @@ from torch import nn
 
 from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.precision import PLUGINS, Precision
-from ampctl.train.protection import ForwardLoss, GuardConfig, TrainAborted
+from ampctl.protect.loss import ForwardLoss
+from ampctl.protect.protection import TrainAborted
+from ampctl.protect.settings import GuardConfig
+from ampctl.protect.switch import switch_precision
 
-from .run import IntegrationError, ProtectedRun, require, share_flags
+from .common import IntegrationError, require, share_flags
+from .protected_run import LoopInfo, ProtectedRun
 
 require("lightning", "lightning", "ampctl.integrations.lightning")
 
@@ -192,22 +196,7 @@ class AmpctlPrecision(MixedPrecision):
         self.scaler.load_state_dict(state)
 
     def _switch(self, name: str) -> None:
-        old = self.amp
-        exempted = old.release(self._module) if self._module is not None else []
-        new = make_precision(
-            name,
-            fp32_modules=old.fp32_modules,
-            device_type=old.device_type,
-            scaler=LossScaler(
-                enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
-            ),
-        )
-        if self._module is not None:
-            new.prepare(self._module)
-            for n in exempted:
-                new.exempt(self._module, n)
-        new.scaler.reduce_flags = old.scaler.reduce_flags
-        self._current.precision = new
+        self._current.precision = switch_precision(self.amp, name, self._module)
 
 
 class _Schedulers:
@@ -235,7 +224,7 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 def lightning_forward(model: nn.Module, batch: Any) -> torch.Tensor:
     """The forward-overflow replay of a LightningModule: ``training_step(batch, 0)`` with
     ``self.log`` / ``self.log_dict`` muted; its loss (a tensor or ``["loss"]``)."""
-    from ampctl.train.builders import extract_loss
+    from ampctl.protect.loss import extract_loss
 
     muted = {"log": _no_log, "log_dict": _no_log}
     model.__dict__.update(muted)
@@ -252,10 +241,13 @@ class AmpctlCallback(Callback):
 
     Args:
         run_dir: the run folder (``metrics.jsonl``, ``events.jsonl``, ``summary.json``).
-        precision: ``fp16``, ``bf16`` or ``fp32``; None: the Trainer's mixed precision if it has
-            one, else fp16. Ignored when the Trainer already has an :class:`AmpctlPrecision`.
+        precision: ``fp16``, ``bf16`` or ``fp32``; None: the Trainer's (``16-mixed`` -> fp16,
+            ``bf16-mixed`` -> bf16, ``32-true`` -> fp32). Given, the Trainer must run ``32-true``
+            (the callback brings the mixed precision) or the same precision; a mismatch is
+            refused with one line. Ignored when the Trainer already has an
+            :class:`AmpctlPrecision`.
         scaler: the LossScaler for the plugin the callback puts in place.
-        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
         log_every: metrics row interval in optimizer steps (default: ``log_every_n_steps``).
         display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
             ``quiet``) or object for the live table; None: no display (Lightning's bar stays).
@@ -315,14 +307,33 @@ class AmpctlCallback(Callback):
                 "mixed-precision plugins: use precision '32-true', '16-mixed' or 'bf16-mixed' "
                 "and a strategy without a precision plugin of its own"
             )
-        name = self.precision
-        if name is None:
-            name = _NAMES[current.precision] if isinstance(current, MixedPrecision) else "fp16"
+        name = self._follow(trainer, current)
         scaler = self.scaler
         if scaler is None and isinstance(getattr(current, "scaler", None), LossScaler):
             scaler = current.scaler
         self.plugin = AmpctlPrecision(name, scaler=scaler, fp32_modules=self.fp32_modules)
         strategy.precision_plugin = self.plugin
+
+    def _follow(self, trainer: Any, current: Any) -> str:
+        """The precision to run: the Trainer's, or the callback's when the Trainer runs
+        ``32-true`` (the callback then brings the mixed precision); a callback precision that
+        differs from the Trainer's mixed precision is refused with one line."""
+        theirs = _NAMES[current.precision] if isinstance(current, MixedPrecision) else "fp32"
+        if self.precision is None or theirs == "fp32":
+            return self.precision or theirs
+        if self.precision != theirs:
+            cpu = (
+                " (Lightning turns precision='16-mixed' into 'bf16-mixed' on a CPU: for fp16 there "
+                "leave the Trainer at '32-true' and pass precision='fp16' here)"
+                if theirs == "bf16" and self.precision == "fp16"
+                else ""
+            )
+            raise IntegrationError(
+                f"AmpctlCallback: precision={self.precision!r} but the Trainer runs "
+                f"precision={current.precision!r}: give the precision once, to the Trainer or "
+                f"to the callback (with the Trainer at '32-true'){cpu}"
+            )
+        return theirs
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         plugin = self.plugin
@@ -352,18 +363,22 @@ class AmpctlCallback(Callback):
             display=self.display,
             forward=self.forward,
             progress=_Schedulers(trainer),
-            framework="lightning",
-            config={
-                "lightning": {
-                    "precision_flag": plugin.precision,
-                    "checkpoint_dir": getattr(trainer.checkpoint_callback, "dirpath", None),
-                }
-            },
-            fallback_unavailable=None,  # the plugin owns autocast: it follows a fallback
-            is_main=trainer.is_global_zero,
             tensorboard=self.tensorboard,
-            # the skip-aware lr schedule reads each step's skip anyway: attribute it at once
-            read_skips=step_schedulers,
+            loop=LoopInfo(
+                framework="lightning",
+                config={
+                    "lightning": {
+                        "precision_flag": plugin.precision,
+                        "checkpoint_dir": getattr(trainer.checkpoint_callback, "dirpath", None),
+                        # Lightning counts every optimizer step, skipped ones too
+                        "global_step_counts_skipped_steps": True,
+                    }
+                },
+                fallback_unavailable=None,  # the plugin owns autocast: it follows a fallback
+                is_main=trainer.is_global_zero,
+                # the skip-aware lr schedule reads each step's skip anyway: attribute it at once
+                read_skips=step_schedulers,
+            ),
         )
         plugin.follow(self.run.protection)
         if self._saved:

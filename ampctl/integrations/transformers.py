@@ -13,9 +13,14 @@ optimizer state, scale, lr scheduler), skip budget, floor policy, forward-overfl
 promotion, and the run folder (``metrics.jsonl`` with scale, skipped, overflow rate, grad norm /
 max / underflow before clipping, lr, loss; ``events.jsonl``; ``summary.json``; and the live table
 with ``display=``). It installs itself in ``__init__``-time objects only, so call it for the
-resumed Trainer too: ``train(resume_from_checkpoint=...)`` then loads ``scaler.pt`` into the
-LossScaler (transformers' ``_load_scaler`` needs a scaler) and the guard's history from the
-checkpoint's ``ampctl_run.json``; the run folder continues.
+resumed Trainer too: ``train(resume_from_checkpoint=...)`` then loads the scaler's state into
+the LossScaler and the guard's history from the checkpoint's ``ampctl_run.json``; the run folder
+continues.
+
+Checkpoints stay the user's: a plain ``Trainer`` (ampctl uninstalled) resumes them. The scaler's
+state is ``scaler.pt`` where a plain Trainer has a GradScaler to load it into (fp16 on a GPU; it
+reads GradScaler's keys of it) and ``ampctl_scaler.pt`` where it has none (fp16 on a CPU, bf16,
+fp32), since transformers would call ``load_state_dict`` on a missing scaler.
 
 fp16 on a CPU: ``TrainingArguments(fp16=True, use_cpu=True)`` alone trains in fp32 with no
 scaler (Accelerate's choice); with ``protect_trainer`` the model really runs fp16 autocast and the
@@ -41,10 +46,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ampctl.amp import LossScaler
-from ampctl.train.protection import GuardConfig, TrainAborted
+import torch
 
-from .run import IntegrationError, ProtectedRun, require
+from ampctl.amp import LossScaler
+from ampctl.protect.protection import TrainAborted
+from ampctl.protect.settings import GuardConfig
+
+from .common import IntegrationError, require
+from .protected_run import LoopInfo, ProtectedRun
 
 require("transformers", "transformers", "ampctl.integrations.transformers")
 
@@ -58,7 +67,11 @@ from .accelerate import (  # noqa: E402
     precision_of,
 )
 
-__all__ = ["AmpctlTrainerCallback", "protect_trainer"]
+__all__ = ["AmpctlTrainerCallback", "SCALER_FILE", "protect_trainer"]
+
+#: Where a protected Trainer keeps the LossScaler's state when a plain Trainer would have no
+#: scaler to load ``scaler.pt`` into.
+SCALER_FILE = "ampctl_scaler.pt"
 
 _MARK = "_ampctl_callback"
 
@@ -134,13 +147,15 @@ class AmpctlTrainerCallback(TrainerCallback):
             display=self.display,
             progress=_SchedulerProgress(tr),
             fp32_modules=self.fp32_modules,
-            framework="transformers",
-            config={"transformers": {"optim": str(args.optim), "output_dir": args.output_dir}},
-            fallback_unavailable=ACCELERATE_AUTOCAST,
-            is_main=state.is_world_process_zero,
             tensorboard=self.tensorboard,
-            # the skip-aware lr schedule reads each step's skip anyway: attribute it at once
-            read_skips=self.skip_aware_lr,
+            loop=LoopInfo(
+                framework="transformers",
+                config={"transformers": {"optim": str(args.optim), "output_dir": args.output_dir}},
+                fallback_unavailable=ACCELERATE_AUTOCAST,
+                is_main=state.is_world_process_zero,
+                # the skip-aware lr schedule reads each step's skip anyway: attribute it at once
+                read_skips=self.skip_aware_lr,
+            ),
         )
         saved = self._saved_state(self.resume_from)
         if saved is not None:
@@ -211,6 +226,33 @@ class AmpctlTrainerCallback(TrainerCallback):
             self.run.finish(status)
 
 
+def _keep_checkpoints_plain(trainer: Trainer, native: dict[str, bool]) -> None:
+    """Checkpoints a plain Trainer can resume: transformers loads ``scaler.pt`` into its own
+    scaler, which it lacks where Accelerate makes none (fp16 on a CPU, bf16, fp32): there the
+    LossScaler's state is saved as ``ampctl_scaler.pt`` instead, which only a protected Trainer
+    reads. Where a plain Trainer has a GradScaler, ``scaler.pt`` stays (it reads GradScaler's
+    keys of the LossScaler's state)."""
+    save, load = trainer._save_scaler, trainer._load_scaler
+
+    def _save_scaler(output_dir: str) -> None:
+        scaler = trainer.accelerator.scaler
+        if native["scaler"] or not isinstance(scaler, LossScaler):
+            return save(output_dir)
+        if trainer.args.should_save:
+            torch.save(scaler.state_dict(), Path(output_dir, SCALER_FILE))
+
+    def _load_scaler(checkpoint: str | None) -> None:
+        scaler = trainer.accelerator.scaler
+        mine = Path(checkpoint, SCALER_FILE) if checkpoint is not None else None
+        if mine is not None and mine.is_file() and isinstance(scaler, LossScaler):
+            scaler.load_state_dict(torch.load(mine, weights_only=True))
+            return None
+        return load(checkpoint)
+
+    trainer._save_scaler = _save_scaler
+    trainer._load_scaler = _load_scaler
+
+
 def protect_trainer(
     trainer: Trainer,
     run_dir: str | Path | None = None,
@@ -231,7 +273,7 @@ def protect_trainer(
         trainer: a ``transformers.Trainer`` (or subclass), before ``train()``.
         run_dir: the run folder; default ``<output_dir>/ampctl``.
         scaler: the LossScaler (default: ampctl's defaults with the Trainer's precision).
-        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
         log_every: metrics row interval in optimizer steps (default ``logging_steps``).
         display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
             ``quiet``) or object for the live table (pass ``disable_tqdm=True`` to the
@@ -249,12 +291,19 @@ def protect_trainer(
     if getattr(trainer, _MARK, None) is not None:
         raise IntegrationError("protect_trainer: this Trainer is protected already")
     template = copy.deepcopy(scaler) if scaler is not None else None
+    # whether a plain Trainer with these arguments has a scaler of its own (Accelerate's
+    # GradScaler: fp16 on a GPU); it decides where the LossScaler's state is saved
+    native = {"scaler": False}
 
     def install() -> None:
+        acc = trainer.accelerator
+        if not isinstance(acc.scaler, LossScaler):
+            native["scaler"] = acc.scaler is not None
         sc = copy.deepcopy(template) if template is not None else None
-        install_scaler(trainer.accelerator, sc, skip_aware_lr=skip_aware_lr)
+        install_scaler(acc, sc, skip_aware_lr=skip_aware_lr)
 
     install()
+    _keep_checkpoints_plain(trainer, native)
     cb = AmpctlTrainerCallback(
         trainer,
         run_dir if run_dir is not None else Path(trainer.args.output_dir, "ampctl"),

@@ -6,7 +6,8 @@
 ``branches/`` with the history that the resume set aside (see :mod:`ampctl.runlog.branches`).
 
 Everything that names a file of a run folder goes through :class:`RunLayout`; everything that
-reads a JSONL file goes through :func:`read_jsonl` (one way to treat a bad line).
+reads a JSONL file goes through :func:`read_jsonl` (one way to treat a bad line). New folders are
+made by :func:`new_run_dir`, exclusively: an existing run is never overwritten.
 """
 
 from .branches import (
@@ -20,12 +21,22 @@ from .branches import (
 )
 from .layout import RunLayout, is_run_dir
 from .readers import JsonlRows, RunRecord, as_number, is_finite_number, read_json, read_jsonl
-from .writers import RunWriter, atomic_write_text, dumps_row
+from .writers import (
+    RunExistsError,
+    RunWriter,
+    atomic_write_text,
+    default_run_name,
+    dumps_row,
+    new_run_dir,
+)
 
 __all__ = [
     "RunLayout",
     "is_run_dir",
     "RunWriter",
+    "RunExistsError",
+    "new_run_dir",
+    "default_run_name",
     "atomic_write_text",
     "dumps_row",
     "JsonlRows",

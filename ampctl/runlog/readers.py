@@ -2,29 +2,89 @@
 resolved (``config.yaml`` is read without evaluating interpolations).
 
 One rule for a bad JSONL line, everywhere: a line that is not a JSON object (cut off by a crash,
-or edited by hand) is skipped and its line number kept in :attr:`JsonlRows.bad_lines`, so a
-reader can say "N unreadable lines skipped" instead of failing or silently guessing.
+edited by hand, nested too deeply to read) is skipped and its line number kept in
+:attr:`JsonlRows.bad_lines`, so a reader can say "N unreadable lines skipped" instead of failing
+or silently guessing.
+
+Every file is read under the resource rules of :mod:`ampctl.trust` (a size cap for a file read
+whole, regular files only, no symlink out of its folder). The ``load_*`` readers are strict:
+they raise :class:`RunFileError`, one line naming the file and what is wrong with it; the
+``read_*`` readers are lenient (None or no rows for a missing or unreadable file) and keep why
+in :attr:`JsonlRows.error` where they can.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ampctl.errors import UsageError, first_line
+from ampctl.trust import FileRefused, ResourceRefused, check_tree, read_bounded
+
 from .layout import RunLayout
 
-__all__ = ["JsonlRows", "RunRecord", "read_jsonl", "read_json", "as_number", "is_finite_number"]
+__all__ = [
+    "JsonlRows",
+    "RunRecord",
+    "RunFileError",
+    "read_jsonl",
+    "read_json",
+    "load_json",
+    "read_config_text",
+    "load_config_text",
+    "as_number",
+    "is_finite_number",
+]
+
+
+class RunFileError(UsageError):
+    """A run or checkpoint file that cannot be read: ``reason`` says why in a few words (for a
+    report line); the message names the file too."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(f"{str(path)!r}: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+def _bytes(path: Path) -> bytes:
+    try:
+        return read_bounded(path)
+    except FileRefused as e:
+        raise RunFileError(path, e.reason) from None
+
+
+def _what_it_holds(data: bytes) -> str | None:
+    """Why bytes that should be text are not: pickle bytes, binary data (None: text)."""
+    if data[:1] == b"\x80" and len(data) > 1 and data[1] <= 5:
+        return "holds pickle bytes (a pickled Python object), not text"
+    if b"\0" in data[:4096]:
+        return "holds binary data, not text"
+    return None
+
+
+def _text(path: Path, data: bytes) -> str:
+    why = _what_it_holds(data)
+    if why is not None:
+        raise RunFileError(path, why)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RunFileError(path, f"is not UTF-8 text (byte {e.start})") from None
 
 
 @dataclass
 class JsonlRows:
-    """The objects of a JSONL file and the (1-based) numbers of the lines that were not."""
+    """The objects of a JSONL file and the (1-based) numbers of the lines that were not;
+    ``error``: why the whole file could not be read (too large, not a regular file ...)."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: list[int] = field(default_factory=list)
+    error: str | None = None
 
     def __iter__(self):
         return iter(self.rows)
@@ -33,7 +93,9 @@ class JsonlRows:
         return len(self.rows)
 
     def note(self, path: Path) -> str | None:
-        """One line about skipped lines, or None when every line was read."""
+        """One line about what could not be read, or None when every line was read."""
+        if self.error is not None:
+            return f"{path}: unreadable: {self.error}"
         if not self.bad_lines:
             return None
         where = ", ".join(str(n) for n in self.bad_lines[:5])
@@ -41,18 +103,32 @@ class JsonlRows:
         return f"{path}: skipped {len(self.bad_lines)} unreadable line(s) ({where}{more})"
 
 
+def _json_value(line: str) -> Any:
+    """``json.loads``; a line nested too deeply for the parser is a ``ValueError`` too."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def read_jsonl(path: str | Path) -> JsonlRows:
-    """Rows of a JSONL file (a missing file has none). Never raises for bad content."""
+    """Rows of a JSONL file (a missing file has none). Never raises for bad content; a file
+    over the size cap or that may not be opened gives no rows and ``error``."""
     out = JsonlRows()
     p = Path(path)
-    if not p.is_file():
+    if not p.exists() and not p.is_symlink():
         return out
-    for i, line in enumerate(p.read_text(errors="replace").splitlines(), start=1):
+    try:
+        data = _bytes(p)
+    except RunFileError as e:
+        out.error = e.reason
+        return out
+    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
+            obj = _json_value(line)
+        except ValueError:
             out.bad_lines.append(i)
             continue
         if isinstance(obj, dict):
@@ -62,11 +138,29 @@ def read_jsonl(path: str | Path) -> JsonlRows:
     return out
 
 
+def load_json(path: str | Path) -> Any:
+    """A JSON file, strictly: raises :class:`RunFileError` naming the file and what is wrong
+    (missing, over the size cap, a symlink out of its folder, pickle or binary bytes, not
+    UTF-8, not valid JSON, nested too deeply)."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise RunFileError(p, "does not exist")
+    text = _text(p, _bytes(p))
+    try:
+        return _json_value(text)
+    except json.JSONDecodeError as e:
+        raise RunFileError(
+            p, f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        ) from None
+    except ValueError:
+        raise RunFileError(p, "is nested too deeply to read (JSON arrays/objects)") from None
+
+
 def read_json(path: str | Path) -> dict[str, Any] | None:
     """A JSON object file (summary.json, branch.json ...), or None when missing or unreadable."""
     try:
-        obj = json.loads(Path(path).read_text(errors="replace"))
-    except (OSError, json.JSONDecodeError):
+        obj = load_json(path)
+    except RunFileError:
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -92,17 +186,57 @@ def is_finite_number(x: Any) -> bool:
     return v is not None and math.isfinite(v)
 
 
-def read_config_text(path: str | Path) -> dict[str, Any] | None:
-    """``config.yaml`` as plain data, interpolations left as text (never evaluated)."""
+def _yaml_problem(e: Exception) -> str:
+    tag = re.search(r"constructor for the tag '([^']*)'", str(e))
+    if tag:
+        name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+        return (
+            f"uses the YAML tag {name}, which is not allowed (a run's config is data: plain "
+            "YAML only, no tags that build Python objects)"
+        )
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(e, "problem", None) or first_line(e)
+    return f"is not valid YAML ({problem}{where})"
+
+
+def load_config_text(path: str | Path) -> dict[str, Any]:
+    """``config.yaml`` as plain data, interpolations left as text (never evaluated), strictly:
+    raises :class:`RunFileError` naming the file and what is wrong (a YAML tag, a YAML error,
+    aliases or nesting that make it no plain tree, not a mapping, the size cap)."""
+    import yaml
     from omegaconf import OmegaConf
+    from omegaconf._utils import get_yaml_loader
     from omegaconf.errors import OmegaConfBaseException
 
+    p = Path(path)
+    text = _text(p, _bytes(p))
     try:
-        cfg = OmegaConf.load(Path(path))
-        obj = OmegaConf.to_container(cfg, resolve=False)
-    except (OSError, OmegaConfBaseException, ValueError):
+        data = yaml.load(text, Loader=get_yaml_loader())  # noqa: S506 - omegaconf's SafeLoader
+    except yaml.YAMLError as e:
+        raise RunFileError(p, _yaml_problem(e)) from None
+    except RecursionError:
+        raise RunFileError(p, "is nested too deeply to read (YAML)") from None
+    try:
+        check_tree(data, source=str(p))
+    except ResourceRefused as e:
+        raise RunFileError(p, str(e).split(": ", 1)[-1]) from None
+    if not isinstance(data, dict):
+        raise RunFileError(p, f"holds a {type(data).__name__}, not a mapping of config keys")
+    try:
+        obj = OmegaConf.to_container(OmegaConf.create(data), resolve=False)
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        raise RunFileError(p, f"is not a config OmegaConf reads: {first_line(e)}") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+def read_config_text(path: str | Path) -> dict[str, Any] | None:
+    """``config.yaml`` as plain data (see :func:`load_config_text`), or None when missing or
+    unreadable."""
+    try:
+        return load_config_text(path)
+    except RunFileError:
         return None
-    return obj if isinstance(obj, dict) else None
 
 
 @dataclass
@@ -116,8 +250,12 @@ class RunRecord:
     config: dict[str, Any] | None
 
     @classmethod
-    def read(cls, root: str | Path, *, upto_step: int | None = None) -> RunRecord:
-        """Read a run folder; with ``upto_step`` only rows and events up to that step."""
+    def read(
+        cls, root: str | Path, *, upto_step: int | None = None, strict: bool = False
+    ) -> RunRecord:
+        """Read a run folder; with ``upto_step`` only rows and events up to that step. With
+        ``strict``, a ``config.yaml`` that is there but unreadable raises :class:`RunFileError`
+        (else it reads as no config)."""
         lay = RunLayout(Path(root))
         metrics, events = read_jsonl(lay.metrics), read_jsonl(lay.events)
         if upto_step is not None:
@@ -128,7 +266,7 @@ class RunRecord:
             metrics=metrics,
             events=events,
             summary=read_json(lay.summary),
-            config=read_config_text(lay.config) if lay.config.is_file() else None,
+            config=_config(lay.config, strict),
         )
 
     def notes(self) -> list[str]:
@@ -141,6 +279,12 @@ class RunRecord:
             )
             if n
         ]
+
+
+def _config(path: Path, strict: bool) -> dict[str, Any] | None:
+    if not path.exists() and not path.is_symlink():
+        return None
+    return load_config_text(path) if strict else read_config_text(path)
 
 
 def _step(row: dict[str, Any]) -> float:

@@ -11,12 +11,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
+from ampctl.errors import UsageError
+
 from .layout import RunLayout
 
-__all__ = ["RunWriter", "atomic_write_text", "dumps_row", "jsonable"]
+__all__ = [
+    "RunExistsError",
+    "RunWriter",
+    "atomic_write_text",
+    "default_run_name",
+    "dumps_row",
+    "jsonable",
+    "new_run_dir",
+]
 
 
 def jsonable(obj: Any) -> Any:
@@ -82,3 +94,44 @@ class RunWriter:
     def _append(path: Path, row: dict[str, Any]) -> None:
         with open(path, "a") as f:
             f.write(dumps_row(row) + "\n")
+
+
+# ---------------------------------------------------------------------------- new folders
+class RunExistsError(UsageError):
+    """A run folder that exists already (a run is never overwritten) or a bad ``--name``."""
+
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
+
+
+def default_run_name(preset: str) -> str:
+    return f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def new_run_dir(runs_dir: str | Path, name: str | None, preset: str = "config") -> Path:
+    """Create ``runs_dir/name`` (a unique default name when ``name`` is None)."""
+    root = Path(runs_dir)
+    if name is not None:
+        if not _NAME_OK.match(name) or name in (".", ".."):
+            raise RunExistsError(
+                f"--name {name!r}: use letters, digits and . _ - = , + (no slashes or spaces)"
+            )
+        path = root / name
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            raise RunExistsError(
+                f"run folder {str(path)!r} exists already: pick another --name, or continue it with --resume {path}"
+            ) from None
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    base = default_run_name(preset)
+    for i in range(1000):
+        path = root / (base if i == 0 else f"{base}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RunExistsError(f"could not find a free run name under {root}")

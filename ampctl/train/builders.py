@@ -1,111 +1,32 @@
-"""Build the parts of a run from a validated :class:`~ampctl.config.RunConfig`."""
+"""Build the parts of a run, each from its own config group (``model``, ``data``, ``optim``).
+
+Errors are :class:`~ampctl.errors.BuildError` with one line naming the key."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from ampctl.amp.checks import is_finite, is_int, need
-from ampctl.errors import UsageError
-from ampctl.train.data import DataError, MLMSource, build_data
-
-if TYPE_CHECKING:
-    from ampctl.config import RunConfig
+from ampctl.errors import BuildError
+from ampctl.train.data import DataError, MLMSource, SyntheticMLM, TextMLM
+from ampctl.train.settings import DATA_KINDS, DataConfig, OptimConfig
 
 __all__ = [
     "BuildError",
     "resolve_device",
     "build_model",
+    "build_data",
     "build_data_source",
+    "source_class",
     "data_objective",
     "build_optimizer",
-    "OptimConfig",
-    "extract_loss",
+    "accepts_batch_keys",
 ]
-
-
-OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("cosine", "linear", "constant")
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """``optim.*``: the optimizer and its learning-rate schedule."""
-
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    fused: bool = False
-    clip_grad_norm: float | None = 1.0
-    schedule: str = "cosine"
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        need(self.name in OPTIMIZERS, self, "name", self.name, f"one of {', '.join(OPTIMIZERS)}")
-        need(is_finite(self.lr) and self.lr > 0, self, "lr", self.lr, "a number > 0")
-        need(
-            is_finite(self.weight_decay) and self.weight_decay >= 0,
-            self,
-            "weight_decay",
-            self.weight_decay,
-            "a number >= 0",
-        )
-        need(
-            len(self.betas) == 2 and all(is_finite(b) and 0 <= b < 1 for b in self.betas),
-            self,
-            "betas",
-            list(self.betas),
-            "two numbers in [0, 1), e.g. [0.9,0.999]",
-        )
-        need(is_finite(self.eps) and self.eps > 0, self, "eps", self.eps, "a number > 0")
-        need(
-            self.clip_grad_norm is None
-            or (is_finite(self.clip_grad_norm) and self.clip_grad_norm > 0),
-            self,
-            "clip_grad_norm",
-            self.clip_grad_norm,
-            "a number > 0, or null to disable clipping",
-        )
-        need(
-            self.schedule in SCHEDULES,
-            self,
-            "schedule",
-            self.schedule,
-            f"one of {', '.join(SCHEDULES)}",
-        )
-        need(
-            is_int(self.warmup_steps) and self.warmup_steps >= 0,
-            self,
-            "warmup_steps",
-            self.warmup_steps,
-            "an integer >= 0",
-        )
-        need(
-            is_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-            self,
-            "min_lr_ratio",
-            self.min_lr_ratio,
-            "in [0, 1]",
-        )
-        need(
-            not self.fused or self.name in ("adamw", "adam"),
-            self,
-            "fused",
-            self.fused,
-            "false unless optim.name is adamw or adam (fused SGD cannot skip on the device)",
-        )
-
-
-class BuildError(UsageError):
-    """The config names something that cannot be built (bad _target_, bad data path...)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,45 +60,95 @@ def _import_target(path: str) -> Any:
         ) from None
 
 
-def build_model(cfg: RunConfig) -> nn.Module:
-    """Instantiate ``model._target_`` with the other ``model.*`` keys as keyword arguments."""
-    spec = dict(cfg.model)
-    target = _import_target(spec.pop("_target_"))
+def build_model(spec: Mapping[str, Any]) -> nn.Module:
+    """Instantiate ``model._target_`` with the other ``model.*`` keys as keyword arguments
+    (``spec``: the ``model`` group)."""
+    kwargs = dict(spec)
+    name = kwargs.pop("_target_")
+    target = _import_target(name)
     if not callable(target):
-        raise BuildError(f"model._target_={cfg.model['_target_']!r} is not callable")
+        raise BuildError(f"model._target_={name!r} is not callable")
     try:
-        model = target(**spec)
+        model = target(**kwargs)
     except (TypeError, ValueError) as e:
-        raise BuildError(
-            f"model: building {cfg.model['_target_']} failed: {str(e).splitlines()[0]}"
-        ) from None
+        raise BuildError(f"model: building {name} failed: {str(e).splitlines()[0]}") from None
     if not isinstance(model, nn.Module):
         raise BuildError(
-            f"model._target_={cfg.model['_target_']!r} returned {type(model).__name__}, not a torch.nn.Module"
+            f"model._target_={name!r} returned {type(model).__name__}, not a torch.nn.Module"
         )
     return model
 
 
-def data_objective(cfg: RunConfig) -> str:
+def data_objective(data: DataConfig, model: Mapping[str, Any]) -> str:
     """``data.objective``, with ``auto`` resolved from the model's name (no import):
     ``causal`` when ``model._target_`` ends in ``ForCausalLM`` or ``LMHeadModel`` (ampctl's
     GPT-2 and Llama, and Hugging Face's causal-LM classes), else ``mlm``."""
-    if cfg.data.objective != "auto":
-        return cfg.data.objective
-    name = str(cfg.model.get("_target_", "")).rsplit(".", 1)[-1]
+    if data.objective != "auto":
+        return data.objective
+    name = str(model.get("_target_", "")).rsplit(".", 1)[-1]
     return "causal" if name.endswith(("ForCausalLM", "LMHeadModel")) else "mlm"
 
 
-def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLMSource:
-    d = cfg.data
+def source_class(kind: Any) -> type[MLMSource] | None:
+    if kind == "synthetic":
+        return SyntheticMLM
+    if kind == "text":
+        return TextMLM
+    if kind == "hf":  # its module imports datasets/tokenizers only when a source is built
+        from ampctl.train.hf_data import HFSource
+
+        return HFSource
+    return None
+
+
+def build_data(kind: str, **kwargs: Any) -> MLMSource:
+    """Build a data source: ``kind`` is ``"synthetic"`` (:class:`SyntheticMLM`),
+    ``"text"`` (:class:`TextMLM`) or ``"hf"`` (:class:`ampctl.train.hf_data.HFSource`);
+    ``kwargs`` go to its constructor.
+
+    Raises:
+        DataError: unknown ``kind``, an argument the kind does not take, a
+            missing required argument, or any error from the constructor.
+    """
+    cls = source_class(kind) if isinstance(kind, str) else None
+    if cls is None:
+        allowed = ", ".join(repr(k) for k in DATA_KINDS)
+        raise DataError(f"data.kind {kind!r} is not one of {allowed}")
+    signature = inspect.signature(cls.__init__)
+    accepted = [p for p in signature.parameters if p != "self"]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise DataError(
+            f"data.kind {kind!r} does not take {', '.join(unknown)}; it takes {', '.join(accepted)}"
+        )
+    missing = [
+        name
+        for name, p in signature.parameters.items()
+        if name != "self" and p.default is inspect.Parameter.empty and name not in kwargs
+    ]
+    if missing:
+        raise DataError(f"data.kind {kind!r} needs {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+def build_data_source(
+    d: DataConfig,
+    *,
+    model: Mapping[str, Any],
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> MLMSource:
+    """The data source of the ``data`` group, for the model group ``model`` (its objective and
+    vocabulary) and the run's ``seed``; ``rank`` / ``world_size`` pick this process's share."""
     kw: dict[str, Any] = dict(
         seq_len=d.seq_len,
         batch_size=d.batch_size,
-        seed=cfg.trainer.seed,
+        seed=seed,
         mask_prob=d.mask_prob,
         rank=rank,
         world_size=world_size,
-        objective=data_objective(cfg),
+        objective=data_objective(d, model),
     )
     if d.kind == "synthetic":
         kw.update(vocab_size=d.vocab_size, branching=d.branching)
@@ -199,7 +170,7 @@ def build_data_source(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> MLM
         raise BuildError(str(e).splitlines()[0]) from None
     except ValueError as e:
         raise BuildError(f"data: {str(e).splitlines()[0]}") from None
-    model_vocab = cfg.model.get("vocab_size")
+    model_vocab = model.get("vocab_size")
     tok_vocab = getattr(getattr(source, "tokenizer", None), "vocab_size", None)
     if isinstance(model_vocab, int) and isinstance(tok_vocab, int) and tok_vocab > model_vocab:
         raise BuildError(
@@ -224,21 +195,6 @@ def build_optimizer(
             kw["fused"] = True
         return cls(params, **kw)
     return torch.optim.SGD(params, lr=lr, momentum=o.betas[0], weight_decay=o.weight_decay)
-
-
-def extract_loss(out: Any) -> torch.Tensor:
-    """The loss from a model output: a tensor, ``.loss`` or ``["loss"]`` (Hugging Face style)."""
-    loss = out
-    if not isinstance(loss, torch.Tensor):
-        loss = getattr(out, "loss", None)
-        if loss is None and isinstance(out, dict):
-            loss = out.get("loss")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise BuildError(
-            f"the model returned {type(out).__name__} with no scalar loss: model(**batch) must return a loss "
-            "tensor, an object with .loss, or a dict with 'loss' (pass labels= through to the loss)"
-        )
-    return loss.reshape(())
 
 
 def accepts_batch_keys(model: nn.Module, keys: list[str]) -> list[str]:

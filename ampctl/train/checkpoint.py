@@ -125,6 +125,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     p = resolve_checkpoint(path)
     if p.stat().st_size == 0:
         raise CheckpointError(f"{str(p)!r} is empty (0 bytes): not a checkpoint")
+    from ampctl.trust import check_memory, human_size, torch_file_sizes
+
+    total, _ = torch_file_sizes(p)  # sizes from the archive's directory, before allocating
+    check_memory(total, what=f"{str(p)!r} ({human_size(total)} of tensors)", flag=None)
     try:
         obj = torch.load(p, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line

@@ -31,21 +31,15 @@ the same tokens as the masked-LM batch of the same index, unmasked.
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ampctl.amp.checks import is_finite, need
-from ampctl.errors import ConfigError
-
 __all__ = [
-    "DataConfig",
     "PAD_ID",
     "CLS_ID",
     "SEP_ID",
@@ -53,7 +47,6 @@ __all__ = [
     "FIRST_ORDINARY_ID",
     "MAX_BRANCHING",
     "IGNORE_INDEX",
-    "DATA_KINDS",
     "OBJECTIVES",
     "Batch",
     "DataError",
@@ -64,7 +57,8 @@ __all__ = [
     "encode",
     "decode",
     "apply_mlm_masking",
-    "build_data",
+    "check_int",
+    "check_source_args",
 ]
 
 PAD_ID = 0
@@ -77,7 +71,6 @@ FIRST_ORDINARY_ID = 4
 IGNORE_INDEX = -100
 
 #: Allowed values of ``build_data(kind=...)``.
-DATA_KINDS: tuple[str, ...] = ("synthetic", "text", "hf")
 #: Allowed values of a source's ``objective``.
 OBJECTIVES: tuple[str, ...] = ("mlm", "causal")
 
@@ -101,86 +94,6 @@ _TOPIC_ZIPF_EXPONENT = 1.5
 _CHAIN_SLOTS = 64
 #: Largest ``SyntheticMLM(branching=...)``; every successor needs at least one slot.
 MAX_BRANCHING = 32
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """``data.*``: the data source (synthetic, text, hf) and its batches."""
-
-    kind: str = "synthetic"
-    vocab_size: int = 1024
-    seq_len: int = 64
-    batch_size: int = 16
-    mask_prob: float = 0.15
-    branching: int = 4
-    path: str | None = None
-    # masked-LM or next-token batches; auto: causal for a model whose class name ends in
-    # ForCausalLM or LMHeadModel (GPT-2, Llama, their HF classes), mlm otherwise
-    objective: str = "auto"
-    # data=hf only (ampctl.train.hf_data)
-    tokenizer: str | None = None
-    text_field: str = "text"
-    format: str = "auto"
-    split: str = "train"
-    cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        need(
-            self.kind in ("synthetic", "text", "hf"),
-            self,
-            "kind",
-            self.kind,
-            "one of synthetic, text, hf (select with data=synthetic, data=text or data=hf)",
-        )
-        need(self.vocab_size >= 8, self, "vocab_size", self.vocab_size, "an integer >= 8")
-        need(self.seq_len >= 4, self, "seq_len", self.seq_len, "an integer >= 4")
-        need(self.batch_size >= 1, self, "batch_size", self.batch_size, "an integer >= 1")
-        need(
-            is_finite(self.mask_prob) and 0 < self.mask_prob < 1,
-            self,
-            "mask_prob",
-            self.mask_prob,
-            "in (0, 1)",
-        )
-        need(self.branching >= 1, self, "branching", self.branching, "an integer >= 1")
-        need(
-            self.objective in ("auto", "mlm", "causal"),
-            self,
-            "objective",
-            self.objective,
-            "one of auto, mlm, causal",
-        )
-        need(
-            self.format in ("auto", "text", "json", "parquet", "arrow"),
-            self,
-            "format",
-            self.format,
-            "one of auto, text, json, parquet, arrow",
-        )
-        need(bool(self.text_field), self, "text_field", self.text_field, "a column name")
-        if self.kind == "text":
-            if not self.path:
-                raise ConfigError(
-                    "data.path is missing: data=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files)"
-                )
-            need(
-                self.vocab_size == 260,
-                self,
-                "vocab_size",
-                self.vocab_size,
-                "260 with data=text (byte-level tokenizer)",
-            )
-        if self.kind == "hf":
-            if not self.path:
-                raise ConfigError(
-                    "data.path is missing: data=hf needs data.path= (a save_to_disk folder, "
-                    "text/json/parquet files, a folder or a glob of them)"
-                )
-            if not self.tokenizer:
-                raise ConfigError(
-                    "data.tokenizer is missing: data=hf needs data.tokenizer= (a tokenizer.json "
-                    "or a tokenizer folder; make one with `ampctl tokenizer train`)"
-                )
 
 
 class DataError(ValueError):
@@ -214,7 +127,7 @@ def _generator(*parts: int) -> torch.Generator:
 # ------------------------------------------------------------------------ checks
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DataError(f"data.{name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:
@@ -222,7 +135,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _check_common(
+def check_source_args(
     seq_len: Any,
     batch_size: Any,
     seed: Any,
@@ -233,16 +146,16 @@ def _check_common(
 ) -> None:
     if objective not in OBJECTIVES:
         raise DataError(f"data.objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
-    _check_int("seq_len", seq_len, 2)
-    _check_int("batch_size", batch_size, 1)
+    check_int("seq_len", seq_len, 2)
+    check_int("batch_size", batch_size, 1)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise DataError(f"data.seed must be an int, got {seed!r}")
     if isinstance(mask_prob, bool) or not isinstance(mask_prob, int | float):
         raise DataError(f"data.mask_prob must be a float in (0, 1], got {mask_prob!r}")
     if not 0.0 < mask_prob <= 1.0:
         raise DataError(f"data.mask_prob ({mask_prob}) must be in (0, 1]")
-    _check_int("world_size", world_size, 1)
-    _check_int("rank", rank, 0)
+    check_int("world_size", world_size, 1)
+    check_int("rank", rank, 0)
     if rank >= world_size:
         raise DataError(f"data.rank ({rank}) must be < data.world_size ({world_size})")
 
@@ -456,11 +369,11 @@ class SyntheticMLM(MLMSource):
         world_size: int = 1,
         objective: str = "mlm",
     ) -> None:
-        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
-        _check_int("branching", branching, 1)
+        check_source_args(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
+        check_int("branching", branching, 1)
         if branching > MAX_BRANCHING:
             raise DataError(f"data.branching ({branching}) must be <= {MAX_BRANCHING}")
-        _check_int("vocab_size", vocab_size, FIRST_ORDINARY_ID + branching)
+        check_int("vocab_size", vocab_size, FIRST_ORDINARY_ID + branching)
         super().__init__(
             vocab_size=vocab_size,
             seq_len=seq_len,
@@ -696,7 +609,7 @@ class TextMLM(PackedSource):
         world_size: int = 1,
         objective: str = "mlm",
     ) -> None:
-        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
+        check_source_args(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
         if not isinstance(path, str | Path):
             raise DataError(f"data.path must be a file or directory path, got {path!r}")
         super().__init__(
@@ -716,48 +629,3 @@ class TextMLM(PackedSource):
                 f"data.path '{self.path}' holds {self.num_tokens} tokens, too few for one "
                 f"sequence of seq_len {seq_len}: give at least {self.width} bytes of text"
             )
-
-
-# ---------------------------------------------------------------------- factory
-
-
-def _source_class(kind: Any) -> type[MLMSource] | None:
-    if kind == "synthetic":
-        return SyntheticMLM
-    if kind == "text":
-        return TextMLM
-    if kind == "hf":  # its module imports datasets/tokenizers only when a source is built
-        from ampctl.train.hf_data import HFSource
-
-        return HFSource
-    return None
-
-
-def build_data(kind: str, **kwargs: Any) -> MLMSource:
-    """Build a data source: ``kind`` is ``"synthetic"`` (:class:`SyntheticMLM`),
-    ``"text"`` (:class:`TextMLM`) or ``"hf"`` (:class:`ampctl.train.hf_data.HFSource`);
-    ``kwargs`` go to its constructor.
-
-    Raises:
-        DataError: unknown ``kind``, an argument the kind does not take, a
-            missing required argument, or any error from the constructor.
-    """
-    cls = _source_class(kind) if isinstance(kind, str) else None
-    if cls is None:
-        allowed = ", ".join(repr(k) for k in DATA_KINDS)
-        raise DataError(f"data.kind {kind!r} is not one of {allowed}")
-    signature = inspect.signature(cls.__init__)
-    accepted = [p for p in signature.parameters if p != "self"]
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise DataError(
-            f"data.kind {kind!r} does not take {', '.join(unknown)}; it takes {', '.join(accepted)}"
-        )
-    missing = [
-        name
-        for name, p in signature.parameters.items()
-        if name != "self" and p.default is inspect.Parameter.empty and name not in kwargs
-    ]
-    if missing:
-        raise DataError(f"data.kind {kind!r} needs {', '.join(missing)}")
-    return cls(**kwargs)

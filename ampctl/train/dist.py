@@ -19,19 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampctl.amp.checks import need
-
 __all__ = ["DistContext", "init_distributed", "wrap_model", "full_state", "load_full_state"]
-
-
-@dataclass(kw_only=True)
-class DistConfig:
-    """``dist.*``: data parallelism under torchrun (ignored in a single process)."""
-
-    strategy: str = "ddp"
-
-    def __post_init__(self) -> None:
-        need(self.strategy in ("ddp", "fsdp"), self, "strategy", self.strategy, "one of ddp, fsdp")
 
 
 @dataclass

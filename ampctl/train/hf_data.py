@@ -57,9 +57,9 @@ from torch import Tensor
 from ampctl.train.data import (
     DataError,
     PackedSource,
-    _check_common,
-    _check_int,
     apply_mlm_masking,
+    check_int,
+    check_source_args,
 )
 
 __all__ = [
@@ -543,8 +543,8 @@ class HFSource(PackedSource):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        _check_common(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
-        _check_int("vocab_size", vocab_size, 1)
+        check_source_args(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
+        check_int("vocab_size", vocab_size, 1)
         for name, value in (("path", path), ("tokenizer", tokenizer)):
             if not isinstance(value, str | Path) or not str(value):
                 raise DataError(f"data.{name} must be a path, got {value!r}")

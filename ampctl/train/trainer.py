@@ -2,11 +2,12 @@
 
 One optimizer step, then protection, then logging, then checkpointing -- each one call::
 
-    while step < max_steps:
-        out = train_step()                  # autocast forward, scaled backward (x grad_accum),
-                                            # fused unscale + check, clip, step or skip, update
-        protection.after_step(step, ...)    # guard: rollback | fallback | promotion | abort
-        log_step(out)                       # every log_every steps: one host read
+    while step < max_steps:                 # step_once():
+        out = train_step()                  #   autocast forward, scaled backward (x grad_accum),
+                                            #   fused unscale + check, clip, step or skip, update
+        rewind = protection.after_step(...) #   guard: rollback | fallback | promotion | abort
+        if rewind: apply_rewind(rewind)     #   a rollback hands the loop its position back
+        elif log: log_step(out)             #   every log_every steps: one host read
         save()                              # every ckpt_every steps: atomic checkpoint
 
 With ``trainer.compile=true`` the forward runs through ``torch.compile`` of the model; the
@@ -24,8 +25,6 @@ path reads once more (attribution); clean steps pay nothing more.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import signal
 import time
 from collections.abc import Callable
@@ -36,10 +35,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ampctl.amp import make_precision, match_modules
+from ampctl.amp import make_precision
 from ampctl.amp.actgrad import ActGradProbe
-from ampctl.amp.checks import is_int, need
 from ampctl.amp.stats import grad_stats
+from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures, sampling
+from ampctl.protect.logger import RunLogger
+from ampctl.protect.loss import extract_loss
+from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.records import metrics_row, run_summary, write_config
 from ampctl.runlog import RunLayout, branch_event, prepare_resume
 from ampctl.train.builders import (
     BuildError,
@@ -47,7 +50,6 @@ from ampctl.train.builders import (
     build_data_source,
     build_model,
     build_optimizer,
-    extract_loss,
     resolve_device,
 )
 from ampctl.train.checkpoint import (
@@ -65,9 +67,6 @@ from ampctl.train.dist import (
     no_sync,
     wrap_model,
 )
-from ampctl.train.logger import RunLogger
-from ampctl.train.metrics import DeviceFigures, LogWindow, Probe, sampling
-from ampctl.train.protection import Protection, TrainAborted
 from ampctl.train.schedule import lr_factor
 
 if TYPE_CHECKING:
@@ -75,66 +74,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Trainer",
-    "TrainerConfig",
     "TrainResult",
     "TrainAborted",
     "CheckpointWriteError",
     "train",
 ]
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """``trainer.*``: the loop's length, cadence, seed, device and run folder."""
-
-    max_steps: int = 200
-    log_every: int = 10
-    ckpt_every: int = 100
-    keep_last: int = 3
-    grad_accum_steps: int = 1
-    seed: int = 0
-    device: str = "auto"
-    runs_dir: str = "runs"
-    overflow_window: int = 50
-    stop_at: int | None = None  # stop (checkpoint, status ok) here; max_steps keeps the lr horizon
-    compile: bool = False
-    compile_backend: str = "inductor"
-
-    def __post_init__(self) -> None:
-        for k in (
-            "max_steps",
-            "log_every",
-            "ckpt_every",
-            "keep_last",
-            "grad_accum_steps",
-            "overflow_window",
-        ):
-            v = getattr(self, k)
-            need(is_int(v) and v >= 1, self, k, v, "an integer >= 1")
-        need(is_int(self.seed) and self.seed >= 0, self, "seed", self.seed, "an integer >= 0")
-        need(
-            self.stop_at is None or (is_int(self.stop_at) and 1 <= self.stop_at <= self.max_steps),
-            self,
-            "stop_at",
-            self.stop_at,
-            f"null or an integer in [1, max_steps={self.max_steps}]",
-        )
-        need(
-            self.device in ("auto", "cpu", "cuda")
-            or re.fullmatch(r"cuda:\d+", self.device) is not None,
-            self,
-            "device",
-            self.device,
-            "one of auto, cpu, cuda, cuda:N",
-        )
-        need(isinstance(self.compile, bool), self, "compile", self.compile, "true or false")
-        need(
-            isinstance(self.compile_backend, str) and bool(self.compile_backend),
-            self,
-            "compile_backend",
-            self.compile_backend,
-            "a torch.compile backend name, e.g. inductor (the default), aot_eager, eager",
-        )
 
 
 Fault = Callable[["Trainer", int, str], None]
@@ -150,33 +94,9 @@ class TrainResult:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # mean loss of the step's micro-batches (device)
     skipped: bool | None  # as the scaler read it; None when nothing was read (fused optimizer)
     batches: list[dict[str, torch.Tensor]]
     stats: dict[str, torch.Tensor] | None  # gradient statistics (log steps)
-
-
-class _Progress:
-    """What a rollback rewinds besides weights, optimizer state and scale."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.tr = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        a = self.tr.applied
-        return {
-            "step": self.tr.step,
-            "applied": a.clone() if isinstance(a, torch.Tensor) else a,
-            "data": self.tr.data.state_dict(),
-            "rng": rng_state(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.tr.step = state["step"]
-        a = state["applied"]
-        self.tr.applied = a.clone() if isinstance(a, torch.Tensor) else a
-        self.tr.data.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
 
 
 class Trainer:
@@ -184,7 +104,7 @@ class Trainer:
 
     Args:
         cfg: validated config.
-        run_dir: the run folder (created by the caller; see :func:`ampctl.train.run.new_run_dir`).
+        run_dir: the run folder (created by the caller; see :func:`ampctl.runlog.new_run_dir`).
         display: object with ``update(metrics)``, ``event(event)``, ``summary(summary)``, or None.
         resume: a checkpoint dict (from :func:`load_checkpoint`) to continue from. When it is not
             the run's newest checkpoint the later history is set aside first
@@ -209,7 +129,13 @@ class Trainer:
         self.ctx = dist_ctx or init_distributed(cfg.dist.strategy, cfg.trainer.device)
         self.device = self._device()
         torch.manual_seed(cfg.trainer.seed)
-        self.data = build_data_source(cfg, self.ctx.rank, self.ctx.world_size)
+        self.data = build_data_source(
+            cfg.data,
+            model=cfg.model,
+            seed=cfg.trainer.seed,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+        )
         self.model = self._model()
         precision = self._precision(resume)
         self.fwd_model = wrap_model(self.model, self.ctx, self.device)
@@ -227,18 +153,19 @@ class Trainer:
             precision,
             config=cfg.guard,
             emit=self.log.event,
-            progress=_Progress(self),
+            progress_state=self._position,
             forward=self._forward_loss,
             rebuild_optimizer=lambda params: build_optimizer(cfg.optim, params, self.device),
             dist=self.ctx,
         )
         # figures sampled on log steps (see metrics.Probe)
-        self.probes: list[Probe] = [ActGradProbe()] if cfg.logging.act_grads else []
+        layers = cfg.logging.act_grad_layers or None
+        self.probes: list[Probe] = [ActGradProbe(layers)] if cfg.logging.act_grads else []
         self._params_owner: tuple[Any, Any] = (None, None)  # what ``params`` was listed for
         self._params_list: list[nn.Parameter] = []
         self.step = 0
         self.applied: int | torch.Tensor = 0  # optimizer steps applied (drives the lr schedule)
-        self.window = LogWindow()
+        self.window = LogWindow(first_update=self.scaler.num_updates)
         self.last_metrics: dict[str, Any] = {}
         self.failure: str | None = None
         self._stop_signal: int | None = None
@@ -279,7 +206,7 @@ class Trainer:
         return device
 
     def _model(self) -> nn.Module:
-        model = build_model(self.cfg).to(self.device)
+        model = build_model(self.cfg.model).to(self.device)
         missing = accepts_batch_keys(model, list(self.data.batch_keys))
         if missing:
             raise BuildError(
@@ -379,11 +306,7 @@ class Trainer:
             try:
                 self.protection.start(self.step)
                 while self.step < self.end:
-                    log = self._is_due(self.cfg.trainer.log_every)
-                    out = self.train_step(log)
-                    self.protection.after_step(self.step, skipped=out.skipped, batches=out.batches)
-                    if log:
-                        self.log_step(out)
+                    self.step_once()
                     ckpt = self.save() if self._is_due(self.cfg.trainer.ckpt_every, 0) else None
                     if self._stop_signal is not None and (
                         not self.ctx.enabled or self._stop_agreed
@@ -418,6 +341,18 @@ class Trainer:
         return s % every == 0 or s == self.end
 
     # ------------------------------------------------------------------ one step
+    def step_once(self) -> dict[str, Any] | None:
+        """One turn of the loop: an optimizer step, the guard's decision on it (a rollback puts
+        the loop's position back: :meth:`apply_rewind`), and the log step when one is due.
+        Returns the metrics row written, if any."""
+        log = self._is_due(self.cfg.trainer.log_every)
+        out = self.train_step(log)
+        rewind = self.protection.after_step(self.step, skipped=out.skipped, batches=out.batches)
+        if rewind is not None:
+            self.apply_rewind(rewind)
+            return None
+        return self.log_step(out) if log else None
+
     def train_step(self, log: bool = False) -> StepOutput:
         """One optimizer step (with accumulation). One host read on the standard path (the
         skip flag), none with a fused optimizer."""
@@ -425,7 +360,7 @@ class Trainer:
         precision = self.precision
         self.optimizer.zero_grad(set_to_none=True)
         precision.zero_grad()
-        batches, loss_total = [], None
+        batches = []
         probes = self.active_probes() if log else []
         # hooks need the eager module: a compiled graph does not run hooks added after tracing
         fwd = self.compiled if self.compiled is not None and not probes else self.fwd_model
@@ -439,7 +374,6 @@ class Trainer:
                 with no_sync(self.fwd_model, self.ctx, last=i == accum - 1):
                     loss = self._forward_loss(fwd, batch) / accum
                     precision.backward(loss)
-                loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         precision.after_backward()
         if self.fault is not None:
             self.fault(self, self.step + 1, "after_backward")
@@ -449,7 +383,10 @@ class Trainer:
             scale_t = self.scaler.get_scale_tensor() if self.scaler.is_enabled() else 1.0
             stats = grad_stats((p.grad for p in self.params), scale_t, self.device)
         if self.cfg.optim.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.clip_grad_norm, foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.params, self.cfg.optim.clip_grad_norm, foreach=True
+            )
+            self.scaler.report_grad_norm(norm)  # recorded; the spike rule's second figure
         self._set_lr()
         skipped = precision.optimizer_step(self.optimizer)
         self.step += 1
@@ -457,9 +394,9 @@ class Trainer:
         if skipped is False:
             self.applied += 1
         elif skipped is None:  # fused: the step counts unless the scaler skipped it (device)
-            self.applied = self.applied + (1 - self.scaler.device_counters()["last_skipped"])
-        self.window.add(loss_total, self.tokens_per_step)
-        return StepOutput(loss=loss_total, skipped=skipped, batches=batches, stats=stats)
+            self.applied = self.applied + (1 - self.scaler.skip_flag())
+        self.window.tokens += self.tokens_per_step  # its loss is the scaler's record
+        return StepOutput(skipped=skipped, batches=batches, stats=stats)
 
     def _forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.precision.autocast():
@@ -491,13 +428,23 @@ class Trainer:
         if vals["stop"] > 0 and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         self._stop_agreed = vals["stop"] > 0
-        rewound_from = self.step
-        if "guard" in vals:
-            self.protection.on_read(vals["guard"])
-        window, self.window = self.window, LogWindow()
-        if self.step != rewound_from:  # a late rollback discarded the interval's steps
+        window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
+        rewind = self.protection.on_log_read(vals)
+        if rewind is not None:  # a late rollback discarded the interval's steps
+            self.apply_rewind(rewind)
             return None
-        row = self._row(vals, window, out.stats is not None, probes)
+        row = metrics_row(
+            vals,
+            step=self.step,
+            scaler=self.scaler,
+            precision=self.precision.name,
+            overflow_window=self.cfg.trainer.overflow_window,
+            max_steps=self.cfg.trainer.max_steps,
+            tokens=window.tokens,
+            seconds=time.perf_counter() - window.t0,
+            elapsed_s=self._wall(),
+            probes=probes,
+        )
         self.last_metrics = row
         self.log.metrics(row)
         self.protection.after_log(self.step)  # fp8 layer demotions from the probe's figures
@@ -505,65 +452,44 @@ class Trainer:
 
     def _figures(self, stats: dict[str, torch.Tensor] | None, probes: list[Probe]) -> DeviceFigures:
         fig = DeviceFigures(self.device)
-        w = self.window
-        fig.add("loss_sum", w.loss_sum if w.loss_sum is not None else 0.0, "sum")
-        fig.add("loss_n", w.loss_n if w.loss_n is not None else 0.0, "sum")
         fig.add("stop", float(self._stop_signal is not None), "max")
-        if stats is not None:
+        gather_log_figures(
+            fig,
+            window=self.window,
+            stats=stats,
+            scaler=self.scaler,
+            overflow_window=self.cfg.trainer.overflow_window,
+            lr=self.optimizer.param_groups[0]["lr"],
+            probes=probes,
+            protection=self.protection,
             # FSDP's gradients are sharded: combine over ranks; DDP's are already all-reduced
-            sharded = self.ctx.enabled and self.ctx.strategy == "fsdp"
-            s, m = ("sum", "max") if sharded else (None, None)
-            fig.add("grad_norm_sq", stats["grad_norm"] ** 2, s)
-            fig.add("grad_underflow", stats["grad_underflow"], s)
-            fig.add("grad_elems", stats["grad_elems"], s)
-            fig.add("nonfinite_grads", stats["nonfinite_grads"], s)
-            fig.add("grad_amax", stats["grad_amax"], m)
-        for k, v in self.scaler.device_counters().items():
-            fig.add(k, v)
-        fig.add("recent_skips", self.scaler.recent_skips(self.cfg.trainer.overflow_window))
-        fig.add("lr", self.optimizer.param_groups[0]["lr"])
-        for probe in probes:
-            probe.figures(fig)
-        pending = self.protection.pending_reads()
-        if pending is not None:
-            fig.add("guard", pending, vector=True)
+            sharded=self.ctx.enabled and self.ctx.strategy == "fsdp",
+        )
         return fig
 
-    def _row(
-        self, v: dict[str, Any], window: LogWindow, with_stats: bool, probes: list[Probe]
-    ) -> dict[str, Any]:
-        dt = max(time.perf_counter() - window.t0, 1e-9)
-        n = self.scaler.num_steps
-        row = {
+    # ------------------------------------------------------------------ rollback
+    def _position(self) -> dict[str, Any]:
+        """The loop's own position, kept with each snapshot (the protection's progress_state):
+        the step, the updates applied (the lr schedule), the data position and the RNG."""
+        a = self.applied
+        return {
             "step": self.step,
-            "loss": v["loss_sum"] / v["loss_n"] if v["loss_n"] > 0 else float("nan"),
-            "scale": v["scale"] if self.scaler.is_enabled() else 1.0,
-            "skipped": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "overflow_rate": v["recent_skips"] / max(min(self.cfg.trainer.overflow_window, n), 1),
-            "lr": v["lr"],
-            "precision": self.precision.name,
-            "tokens_per_s": window.tokens / dt,
-            "elapsed_s": self._wall(),
-            "max_steps": self.cfg.trainer.max_steps,
-            "grad_norm": None,
-            "grad_amax": None,
-            "grad_underflow_frac": None,
-            "nonfinite_grads": None,
-            "act_grad_underflow_frac": None,
-            "act_grad_zero_frac": None,
+            "applied": a.clone() if isinstance(a, torch.Tensor) else a,
+            "data": self.data.state_dict(),
+            "rng": rng_state(),
         }
-        for probe in probes:
-            row.update(probe.row(v))
-        if with_stats:
-            row.update(
-                grad_norm=math.sqrt(max(v["grad_norm_sq"], 0.0)),
-                grad_amax=v["grad_amax"],
-                grad_underflow_frac=v["grad_underflow"] / max(v["grad_elems"], 1),
-                nonfinite_grads=int(v["nonfinite_grads"]),
-            )
-        return row
+
+    def apply_rewind(self, rewind: Rewind) -> None:
+        """Put the position of a rollback's (or fallback's) snapshot back; the interval's window
+        restarts (its steps are run again)."""
+        pos = rewind.progress
+        if pos is not None:
+            self.step = pos["step"]
+            a = pos["applied"]
+            self.applied = a.clone() if isinstance(a, torch.Tensor) else a
+            self.data.load_state_dict(pos["data"])
+            set_rng_state(pos["rng"])
+        self.window = LogWindow(first_update=self.scaler.num_updates)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
@@ -584,7 +510,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "precision": self.precision.state_dict(),
             "master": self.precision.master_state(),
-            "guard": self.protection.state_dict(),
+            "protection": self.protection.state_dict(),
             "trainer": {"tokens": self._tokens_total, "wall_s": self._wall()},
             "log_window": per_rank[0]["log_window"],
             "dist": {
@@ -647,7 +573,8 @@ class Trainer:
         same_ranks = saved["per_rank"] is not None and len(saved["per_rank"]) == self.ctx.world_size
         mine = saved["per_rank"][self.ctx.rank] if same_ranks else None
         set_rng_state(mine["rng"] if mine else ck["rng"])
-        self.protection.load_state_dict(ck.get("guard", {}))
+        # "guard": the key of checkpoints written by ampctl 0.2 and older
+        self.protection.load_state_dict(ck.get("protection", ck.get("guard", {})))
         tr = ck.get("trainer", {})
         self._tokens_total = int(tr.get("tokens", 0))
         self._wall_before = float(tr.get("wall_s", 0.0))
@@ -688,27 +615,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the end
     def _summary(self, status: str) -> dict[str, Any]:
-        st = self.scaler.stats()
-        wall = self._wall()
-        configured = set(match_modules(self.model, self.cfg.precision.fp32_modules))
-        return {
-            "status": status,
-            "final_loss": self.last_metrics.get("loss"),
-            "steps": self.step,
-            "max_steps": self.cfg.trainer.max_steps,
-            "skipped": st["skipped_total"],
-            "forward_overflows": st["forward_overflows"],
-            "overflow_rate": st["skipped_total"] / max(st["steps"], 1),
-            "final_scale": st["scale"],
-            "precision": self.precision.name,
-            "promoted_modules": [m for m in self.precision.exempted if m not in configured],
-            "fp32_modules": list(self.precision.exempted),
-            **self.precision.summary(self.model),
-            "events": self.log.event_counts(),
-            "wall_time_s": wall,
-            "tokens_per_s": self._tokens_total / max(wall, 1e-9),
-            "run_dir": str(self.run_dir),
-        }
+        """summary.json (:func:`~ampctl.protect.records.run_summary`). **Syncs** once."""
+        return run_summary(
+            status,
+            framework="ampctl",
+            model=self.model,
+            precision=self.precision,
+            final_loss=self.last_metrics.get("loss"),
+            steps=self.step,
+            max_steps=self.cfg.trainer.max_steps,
+            events=self.log.event_counts(),
+            wall_s=self._wall(),
+            tokens=self._tokens_total,
+            run_dir=self.run_dir,
+        )
 
 
 class _Signals:
@@ -748,7 +668,5 @@ def train(
     run_dir = Path(run_dir)
     ck = load_checkpoint(resume) if resume is not None else None
     trainer = Trainer(cfg, run_dir, display=display, resume=ck, fault=fault)
-    from ampctl.config import to_yaml
-
-    RunLayout(run_dir).config.write_text(to_yaml(cfg))
+    write_config(run_dir, cfg.to_dict())
     return trainer.run()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ampctl.amp.actgrad import ActGradCounter, ActGradProbe
-from ampctl.train.metrics import DeviceFigures
+from ampctl.protect.figures import DeviceFigures
 
 
 class ToHalf(nn.Module):

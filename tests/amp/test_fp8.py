@@ -188,7 +188,7 @@ def exact(fraction: float):
 
 def test_planted_huge_and_tiny_values_give_the_exact_saturation_and_underflow():
     model, x, g = planted_layer()
-    with fp8.probe(model) as p:
+    with fp8.record_casts(model) as p:
         (model(x) * g).sum().backward()  # d(sum(y*g))/dy = g: the planted output gradient
     row = p.rows()[0].tolist()
     assert p.names == ["0"]
@@ -222,7 +222,7 @@ def test_probe_reports_what_torchaos_own_casts_produce(monkeypatch):
 
         monkeypatch.setattr(fl, "hp_tensor_to_float8_dynamic", spy)
         x = torch.randn(4, 8, 32) * torch.logspace(-6, 2, 32)  # a wide range: some underflow
-        with fp8.probe(model) as p:
+        with fp8.record_casts(model) as p:
             (model(x).pow(3)).mean().backward()
         monkeypatch.undo()
         row = p.rows()[0]
@@ -259,7 +259,7 @@ def test_a_non_finite_input_shows_as_a_non_finite_amax(bad):
     fp8.convert(model)
     x = torch.randn(16, 16)
     x[3, 5] = bad
-    with fp8.probe(model) as p:
+    with fp8.record_casts(model) as p:
         model(x).sum().backward()
     rows = p.rows()
     assert not math.isfinite(rows[0, ROW["in_amax"]]) and math.isfinite(rows[0, ROW["w_amax"]])
@@ -293,7 +293,7 @@ def test_probe_leaves_no_hooks_and_makes_no_host_read_disabled_or_enabled():
     batch = bert_batch()
     for enabled in (False, True):
         with count_host_reads() as reads:
-            with fp8.probe(model, enabled=enabled) as p:
+            with fp8.record_casts(model, enabled=enabled) as p:
                 if enabled:
                     assert not no_hooks(model)  # the hooks are on while sampling
                 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -316,16 +316,16 @@ def test_probe_refuses_a_compiled_wrapper_whose_graph_would_skip_its_hooks():
     model = nn.Sequential(nn.Linear(16, 16))
     fp8.convert(model)
     with pytest.raises(fp8.Fp8Error, match=r"pass the eager module \(compiled._orig_mod\)"):
-        with fp8.probe(torch.compile(model)):
+        with fp8.record_casts(torch.compile(model)):
             pass
-    with fp8.probe(torch.compile(model), enabled=False) as p:  # disabled: nothing to refuse
+    with fp8.record_casts(torch.compile(model), enabled=False) as p:  # disabled: nothing to refuse
         assert p is None
 
 
 def test_a_layer_called_twice_keeps_the_max_of_each_figure():
     model = nn.Sequential(nn.Linear(16, 16))
     fp8.convert(model)
-    with fp8.probe(model) as p:
+    with fp8.record_casts(model) as p:
         model(torch.ones(16, 16)).sum().backward()
         model(torch.ones(16, 16) * 3).sum().backward()
         model(torch.ones(16, 16) * 2).sum().backward()

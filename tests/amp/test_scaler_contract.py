@@ -894,6 +894,17 @@ def test_isinstance_gradscaler(make):
     assert isinstance(make(), torch.amp.GradScaler)
 
 
+def test_a_loss_scaler_is_also_the_deprecated_cuda_gradscaler():
+    """Code that checks ``torch.cuda.amp.GradScaler`` (the class older code and libraries test
+    for) recognises a LossScaler, without the deprecated class's constructor warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler = LossScaler()
+    assert isinstance(scaler, torch.cuda.amp.GradScaler)
+
+
 def _scale_reads(make):
     scaler, model, opt, x, y = _trained(make, 0, init_scale=1024.0, growth_interval=2)
     assert scaler._scale is None and scaler._growth_tracker is None  # lazily created

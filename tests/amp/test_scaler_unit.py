@@ -5,6 +5,7 @@ model, milliseconds each (tests/amp/test_scaler.py holds the parity and trajecto
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import warnings
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from ampctl.amp import records as rec
 from ampctl.amp.scaler import CallOrderError, LossScaler, OptState, next_scale
 
 INF, NAN = float("inf"), float("nan")
@@ -229,8 +231,8 @@ def test_defaults():
     assert s.get_backoff_factor() == 0.5 and s.get_growth_interval() == 2000
     assert (s.hysteresis, s.min_scale, s.max_scale, s.history_size) == (1, 1.0, 2.0**24, 1024)
     assert s.is_enabled() and s._check_finite and s._check_loss
-    assert s.reduce_flags is None and s.last_skip_read is None and s.num_steps == 0
-    assert s.last_step_skipped_host is None and s.device is None
+    assert s.reduce_flags is None and s._skip_read is None and s.num_updates == 0
+    assert s.last_skip_read is None and s.device is None
     assert s.skipped_steps == 0 and s.forward_overflows == 0 and s.consecutive_overflows == 0
     assert s.last_step_skipped is False and s.history() == []
     assert s._get_growth_tracker() == 0
@@ -286,17 +288,20 @@ def test_scale_multiplies_tensors_and_containers():
     )
 
 
-def test_scale_records_non_finite_losses_over_micro_batches():
+def test_scale_records_the_steps_loss_over_micro_batches():
+    """The record's loss is the sum of what scale() was given (a NaN micro-batch makes it NaN,
+    i.e. a forward overflow); containers count every tensor; a non-scalar loss its sum."""
     s = LossScaler(init_scale=4.0)
     s.scale(torch.tensor(NAN))
     s.scale(torch.tensor(1.0))
-    assert s._loss_nonfinite.item() is True
+    assert math.isnan(s._loss_sum.item())
     t = LossScaler(init_scale=4.0, check_loss=False)
     t.scale(torch.tensor(INF))
-    assert t._loss_nonfinite is None
+    assert t._loss_sum.item() == INF  # recorded; check_loss only decides the kind
     u = LossScaler(init_scale=4.0)
     u.scale([torch.tensor(1.0), torch.tensor(2.0)])
-    assert u._loss_nonfinite.item() is False
+    u.scale(torch.tensor([0.5, 0.25]))
+    assert u._loss_sum.item() == 3.75
 
 
 def test_disabled_scale_returns_what_it_was_given_and_still_records():
@@ -304,7 +309,7 @@ def test_disabled_scale_returns_what_it_was_given_and_still_records():
     x = torch.tensor(2.0)
     assert s.scale(x) is x
     pair = (torch.tensor(1.0), torch.tensor(INF))
-    assert s.scale(pair) is pair and s._loss_nonfinite.item() is True
+    assert s.scale(pair) is pair and s._loss_sum.item() == INF
     items = [torch.tensor(1.0)]
     assert s.scale(items) is items
     gen = s.scale(t for t in (torch.tensor(5.0),))
@@ -312,7 +317,7 @@ def test_disabled_scale_returns_what_it_was_given_and_still_records():
     assert s.scale(7) == 7
     pure = LossScaler(enabled=False, check_finite=False)
     y = torch.tensor(INF)
-    assert pure.scale(y) is y and pure._loss_nonfinite is None and pure.device is None
+    assert pure.scale(y) is y and pure._loss_sum is None and pure.device is None
 
 
 def test_a_clean_step_unscales_steps_and_counts():
@@ -324,14 +329,15 @@ def test_a_clean_step_unscales_steps_and_counts():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     ref(x).pow(2).mean().backward()
     torch.testing.assert_close(model.weight.grad, ref.weight.grad, rtol=0, atol=0)
-    assert s.last_step_skipped_host is False and s.last_step_skipped is False
+    assert s.last_skip_read is False and s.last_step_skipped is False
     assert s.history() == [(1, 8.0, False)]
     _step(s, model, opt)
-    assert s.get_scale() == 16.0 and s.num_steps == 2 and s._get_growth_tracker() == 0
+    assert s.get_scale() == 16.0 and s.num_updates == 2 and s._get_growth_tracker() == 0
     assert s.stats() == {
         "scale": 16.0,
         "skipped_total": 0,
         "forward_overflows": 0,
+        "spikes": 0,
         "consecutive_overflows": 0,
         "last_skipped": False,
         "steps": 2,
@@ -358,26 +364,29 @@ def test_skipped_steps_are_counted_by_kind_and_in_a_row():
     w = model.weight.detach().clone()
     _step(s, model, opt, loss_mul=NAN)
     assert torch.equal(model.weight, w)
-    assert s.last_step_skipped_host is True
+    assert s.last_skip_read is True
     assert (s.skipped_steps, s.forward_overflows, s.consecutive_overflows) == (2, 1, 2)
-    assert s.get_scale() == 32.0  # backed off once: the forward overflow does not
+    # hysteresis 1 is GradScaler's kernel: every skip backs off, the forward overflow too (the
+    # guard puts the scale back on one: a smaller scale cannot cure it)
+    assert s.get_scale() == 16.0
     _step(s, model, opt)
     assert (s.skipped_steps, s.forward_overflows, s.consecutive_overflows) == (2, 1, 0)
     assert s.last_step_skipped is False
-    assert s.history() == [(1, 64.0, True), (2, 32.0, True), (3, 32.0, False)]
-    assert s.recent_history(3).tolist() == [
-        [1.0, 64.0, 1.0],
-        [2.0, 32.0, 2.0],
-        [3.0, 32.0, 0.0],
-    ]
+    assert s.history() == [(1, 64.0, True), (2, 32.0, True), (3, 16.0, False)]
+    assert s._history_tensor()[:, 2].tolist() == [1.0, 2.0, 0.0]  # the kinds
+    recs = s.recent_records(3)
+    assert recs[:, rec.SCALE].tolist() == [64.0, 32.0, 16.0]
+    assert recs[:, rec.SKIPPED].tolist() == [1.0, 1.0, 0.0]
+    assert math.isnan(recs[1, rec.LOSS]) and math.isfinite(recs[2, rec.LOSS])
     assert s.recent_skips(2).item() == 1.0 and s.recent_skips(10).item() == 2.0
     assert s.recent_skips(0).item() == 0.0 and s.recent_skips(0).dtype == torch.float64
-    assert s.recent_history(0).shape == (0, 3)
+    assert s.recent_records(0).shape == (0, len(rec.COLUMNS))
     counters = s.device_counters()
     assert sorted(counters) == sorted(
-        ["scale", "skipped_total", "forward_overflows", "consecutive_overflows", "last_skipped"]
-    )
-    assert [counters[k].item() for k in sorted(counters)] == [0, 1, 0, 32.0, 2]
+        ["scale", "skipped_total", "forward_overflows", "spikes", "consecutive_overflows",
+         "last_skipped"]
+    )  # fmt: skip
+    assert [counters[k].item() for k in sorted(counters)] == [0, 1, 0, 16.0, 2, 0]
 
 
 def test_the_history_is_a_ring_of_the_last_steps():
@@ -387,8 +396,10 @@ def test_the_history_is_a_ring_of_the_last_steps():
     for i in range(5):
         _step(s, model, opt, plant=INF if i in (1, 3) else None)
     assert s.history() == [(3, 32.0, False), (4, 32.0, True), (5, 16.0, False)]
-    assert s.recent_history(10).tolist() == [[3.0, 32.0, 0.0], [4.0, 32.0, 1.0], [5.0, 16.0, 0.0]]
-    assert s.recent_history(2).tolist() == [[4.0, 32.0, 1.0], [5.0, 16.0, 0.0]]
+    assert s.recent_records(10)[:, :2].tolist() == [[32.0, 0.0], [32.0, 1.0], [16.0, 0.0]]
+    assert s.recent_records(2)[:, :2].tolist() == [[32.0, 1.0], [16.0, 0.0]]
+    # the counters cover every step, not only the three kept
+    assert (s.skipped_steps, s.consecutive_overflows) == (2, 0)
     assert s.recent_skips(10).item() == 1.0 and s.recent_skips(3).item() == 1.0
     assert s.recent_skips(1).item() == 0.0
     sd = s.state_dict()
@@ -398,7 +409,8 @@ def test_the_history_is_a_ring_of_the_last_steps():
     t.load_state_dict(sd)
     assert t.history() == [(4, 32.0, True), (5, 16.0, False)]
     t.init_state("cpu")
-    assert t.recent_history(5).tolist() == [[4.0, 32.0, 1.0], [5.0, 16.0, 0.0]]
+    assert t.recent_records(5)[:, :2].tolist() == [[32.0, 1.0], [16.0, 0.0]]
+    assert t.skipped_steps == 2  # the folded step before the ring's records still counts
     _step(t, model, opt)
     assert t.history() == [(5, 16.0, False), (6, 16.0, False)]
 
@@ -412,6 +424,7 @@ def test_state_dict_holds_every_counter():
     _step(s, model, opt, loss_mul=INF)
     sd = s.state_dict()
     hist = sd.pop("history")
+    records = sd.pop("records")
     assert sd == {
         "scale": 64.0,
         "growth_factor": 2.0,
@@ -425,10 +438,15 @@ def test_state_dict_holds_every_counter():
         "enabled": True,
         "skipped_total": 2,
         "forward_overflows": 1,
+        "spikes": 0,
         "consecutive_overflows": 2,
         "last_skipped": 1,
         "num_updates": 3,
+        "spike_thresholds": [INF, INF],
     }
+    assert records.shape == (3, len(rec.COLUMNS)) and records.device.type == "cpu"
+    assert records[:, rec.SKIPPED].tolist() == [0.0, 1.0, 1.0]
+    assert math.isfinite(records[0, rec.LOSS]) and records[2, rec.LOSS] == INF
     assert hist.dtype == torch.float64 and hist.device.type == "cpu"
     assert hist.tolist() == [[1.0, 64.0, 0.0], [2.0, 64.0, 1.0], [3.0, 64.0, 2.0]]
     assert LossScaler(enabled=False, check_finite=False).state_dict() == {}
@@ -450,13 +468,14 @@ def test_load_state_dict_restores_every_counter_and_the_rule():
     t.load_state_dict(sd)
     got = t.state_dict()
     assert torch.equal(got.pop("history"), sd["history"])
-    assert got == {k: v for k, v in sd.items() if k != "history"}
+    torch.testing.assert_close(got.pop("records"), sd["records"], rtol=0, atol=0, equal_nan=True)
+    assert got == {k: v for k, v in sd.items() if k not in ("history", "records")}
     assert (t.get_growth_factor(), t.get_backoff_factor(), t.get_growth_interval()) == (
         4.0,
         0.25,
         3,
     )
-    assert (t.hysteresis, t.min_scale, t.max_scale, t.num_steps) == (3, 2.0, 2.0**20, 3)
+    assert (t.hysteresis, t.min_scale, t.max_scale, t.num_updates) == (3, 2.0, 2.0**20, 3)
     assert (t.skipped_steps, t.forward_overflows, t.consecutive_overflows) == (2, 1, 2)
     assert t.last_step_skipped is True and t._get_growth_tracker() == 0
     # the next steps follow the same rule from the same state
@@ -473,7 +492,7 @@ def test_load_state_dict_of_a_gradscaler_starts_the_counters_at_zero():
     s = LossScaler(hysteresis=2, min_scale=0.5, max_scale=1e6)
     s.load_state_dict(ref.state_dict())
     sd = s.state_dict()
-    sd.pop("history")
+    assert sd.pop("history").shape == (0, 3) and sd.pop("records").shape == (0, len(rec.COLUMNS))
     assert sd == {
         "scale": 256.0,
         "growth_factor": 3.0,
@@ -487,9 +506,11 @@ def test_load_state_dict_of_a_gradscaler_starts_the_counters_at_zero():
         "enabled": True,
         "skipped_total": 0,
         "forward_overflows": 0,
+        "spikes": 0,
         "consecutive_overflows": 0,
         "last_skipped": 0,
         "num_updates": 0,
+        "spike_thresholds": [INF, INF],
     }
     assert s.history() == []
 
@@ -536,26 +557,30 @@ def test_load_state_dict_after_init_writes_into_the_live_tensors():
     src = LossScaler(init_scale=512.0)
     s.load_state_dict(src.state_dict())
     assert s.device_counters()["scale"] is held["scale"] and held["scale"].item() == 512.0
-    assert held["skipped_total"].item() == 0
-    assert s._loss_nonfinite is None and len(s._per_optimizer_states) == 0
-    assert s.num_steps == 0 and s.history() == []
+    assert held["skipped_total"].item() == 1  # a count read before the load stays what it was
+    assert s.device_counters()["skipped_total"].item() == 0  # the counters follow the load
+    assert s._loss_sum is None and len(s._per_optimizer_states) == 0
+    assert s.num_updates == 0 and s.history() == []
 
 
 def test_values_read_before_and_after_the_state_exists():
     s = LossScaler(init_scale=32.0, hysteresis=2)
-    before = s._values(history=False)
+    before = s._values()
+    assert before.pop("rows").shape == (0, len(rec.COLUMNS))
+    assert before.pop("base") == [0, 0, 0, 0]
     assert before == {
         "scale": 32.0,
         "growth_tracker": 0,
         "hysteresis_tracker": 2,
         "skipped_total": 0,
         "forward_overflows": 0,
+        "spikes": 0,
         "consecutive_overflows": 0,
-        "last_skipped": 0,
     }
     s.init_state("cpu")
     after = s._values()
-    assert after.pop("history").shape == (0, 3)
+    assert after.pop("rows").shape == (0, len(rec.COLUMNS))
+    assert after.pop("base") == [0, 0, 0, 0]
     assert (
         after == before and type(after["scale"]) is float and type(after["growth_tracker"]) is int
     )
@@ -641,7 +666,7 @@ def test_calls_before_scale_say_the_fix():
         ("update", lambda: s.update()),
         ("device_counters", s.device_counters),
         ("recent_skips", lambda: s.recent_skips(1)),
-        ("recent_history", lambda: s.recent_history(1)),
+        ("recent_records", lambda: s.recent_records(1)),
         ("_check_inf_per_device", lambda: s._check_inf_per_device(opt)),
         (
             "_check_scale_growth_tracker",
@@ -767,20 +792,20 @@ def test_flags_reduced_across_ranks_decide_the_skip():
     s = LossScaler(init_scale=8.0)
     seen = []
 
-    def everyone_else_overflowed(flags):
-        seen.append(flags.tolist())
-        return torch.ones_like(flags)
+    def everyone_else_overflowed(flag):
+        seen.append(flag.tolist())
+        return torch.ones_like(flag)
 
     s.reduce_flags = everyone_else_overflowed
     w = model.weight.detach().clone()
     _step(s, model, opt)
-    assert seen == [[0.0, 0.0]]
-    assert torch.equal(model.weight, w) and s.skipped_steps == 1 and s.forward_overflows == 1
-    assert s.get_scale() == 8.0  # a forward overflow somewhere: no back-off
-    s.reduce_flags = lambda flags: flags
+    assert seen == [0.0]  # this rank's own found-inf flag, before the one read
+    assert torch.equal(model.weight, w) and s.skipped_steps == 1 and s.forward_overflows == 0
+    assert s.get_scale() == 4.0  # another rank overflowed: every rank skips and backs off alike
+    s.reduce_flags = lambda flag: flag
     _step(s, model, opt, plant=INF, loss_mul=NAN)
-    assert s.forward_overflows == 2 and s.history()[-1] == (2, 8.0, True)
-    assert s.recent_history(1)[0, 2].item() == 2.0
+    assert s.forward_overflows == 1 and s.history()[-1] == (2, 4.0, True)
+    assert s._history_tensor()[-1, 2].item() == 2.0  # this rank's loss was not finite
 
 
 def test_several_optimizers_share_one_update():
@@ -793,13 +818,13 @@ def test_several_optimizers_share_one_update():
     b.weight.grad[0, 0] = INF
     wa = a.weight.detach().clone()
     s.step(oa)
-    assert s.last_skip_read is False
+    assert s._skip_read is False
     s.step(ob)
-    assert s.last_skip_read is True  # skipped for either: recorded as skipped
+    assert s._skip_read is True  # skipped for either: recorded as skipped
     s.update()
     assert not torch.equal(a.weight, wa)  # a's own step was clean and ran
-    assert s.last_step_skipped_host is True and s.skipped_steps == 1 and s.get_scale() == 8.0
-    assert s.last_skip_read is None
+    assert s.last_skip_read is True and s.skipped_steps == 1 and s.get_scale() == 8.0
+    assert s._skip_read is None
 
 
 def test_update_with_a_new_scale():
@@ -808,13 +833,13 @@ def test_update_with_a_new_scale():
     s = LossScaler(init_scale=16.0, min_scale=2.0, max_scale=64.0, growth_interval=1)
     s.init_state("cpu")
     s.update(new_scale=4)  # nothing recorded: only the scale changes
-    assert s.get_scale() == 4.0 and s.num_steps == 0
+    assert s.get_scale() == 4.0 and s.num_updates == 0
     s.update(new_scale=torch.tensor([1000.0]))
     assert s.get_scale() == 64.0  # clamped
     _backward(s, model)
     s.step(opt)
     s.update(new_scale=0.5)  # a recorded step with a hand-set scale: no growth on top
-    assert s.get_scale() == 2.0 and s.num_steps == 1 and s._get_growth_tracker() == 0
+    assert s.get_scale() == 2.0 and s.num_updates == 1 and s._get_growth_tracker() == 0
     assert s.history() == [(1, 64.0, False)]
     new = torch.tensor(8.0)
     s.update(new_scale=new)
@@ -850,7 +875,7 @@ def test_a_pure_pass_through_does_nothing():
     s.step(opt)  # applied: a pass-through checks nothing
     s.update()
     assert torch.isinf(model.weight).any() or torch.isnan(model.weight).any()
-    assert s.device is None and s.num_steps == 0
+    assert s.device is None and s.num_updates == 0
 
 
 def test_a_disabled_scaler_runs_a_closure_unchecked():
@@ -868,10 +893,11 @@ def test_a_disabled_scaler_runs_a_closure_unchecked():
 
     assert s.step(opt, closure=closure) is not None and calls == [1]
     st = s._per_optimizer_states[id(opt)]
-    assert st["stage"] is OptState.STEPPED and st["flags"].tolist() == [0.0, 0.0]
-    assert s.last_skip_read is None and s.device == torch.device("cpu")
+    assert st["stage"] is OptState.STEPPED
+    assert [v.item() for v in st["found_inf_per_device"].values()] == [0.0]
+    assert s._skip_read is None and s.device == torch.device("cpu")
     s.update()
-    assert s.num_steps == 1 and s.skipped_steps == 0
+    assert s.num_updates == 1 and s.skipped_steps == 0
 
 
 class _TakesScaler(torch.optim.SGD):
@@ -904,7 +930,7 @@ def test_amp_aware_optimizer_gets_the_scaler_itself():
     _backward(s, model, plant=INF)
     with pytest.warns(FutureWarning, match="LossScaler passes itself as grad_scaler="):
         assert s.step(opt) == "done"
-    assert opt.got is s and s.last_skip_read is None
+    assert opt.got is s and s._skip_read is None
     assert s._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
     s.update()
     assert s.skipped_steps == 1 and s.get_scale() == 2.0
@@ -921,7 +947,7 @@ def test_amp_aware_optimizer_gets_the_scale_and_the_flag():
     scale, found = opt.got
     assert scale is s._scale and found.item() == 0.0
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
-    assert s.last_skip_read is None
+    assert s._skip_read is None
     s.update()
     # the optimizer's own grad_scale is multiplied in; found_inf is the flag after any reduction
     opt.grad_scale = torch.tensor(3.0)
@@ -988,9 +1014,12 @@ def test_pickle_and_deepcopy_between_iterations():
     _step(s, model, opt, plant=INF)
     _step(s, model, opt)
     for t in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
-        assert t._t is None and t.reduce_flags is None and t._loss_nonfinite is None
-        assert t.history() == s.history() and t.num_steps == 2
-        assert t._values(history=False) == s._values(history=False)
+        assert t._t is None and t.reduce_flags is None and t._loss_sum is None
+        assert t.history() == s.history() and t.num_updates == 2
+        mine, theirs = t._values(), s._values()
+        rows = mine.pop("rows"), theirs.pop("rows")
+        assert mine == theirs
+        torch.testing.assert_close(*rows, rtol=0, atol=0, equal_nan=True)
         assert len(t._per_optimizer_states) == 0
         _step(t, model, opt, plant=INF)
         assert t.get_scale() == 16.0 and t.skipped_steps == 2
@@ -1026,7 +1055,7 @@ def test_every_tensor_of_a_step_lives_on_the_scalers_device():
     assert opt.got[0] is None  # unscaled already: no scale handed over
     assert {k: v.device.type for k, v in s._t.items()} == dict.fromkeys(s._t, "meta")
     assert s.recent_skips(0).device.type == "meta" and s.recent_skips(2).device.type == "meta"
-    assert s.recent_history(2).device.type == "meta"
+    assert s.recent_records(2).device.type == "meta"
     s.update(new_scale=2.0)
     s.load_state_dict(LossScaler(init_scale=8.0).state_dict())
     assert {k: v.device.type for k, v in s._t.items()} == dict.fromkeys(s._t, "meta")
@@ -1042,8 +1071,8 @@ def test_a_disabled_scalers_closure_step_creates_the_state_on_the_parameters_dev
     s = LossScaler(enabled=False)
     s.step(opt, closure=lambda: None)
     assert s.device.type == "meta"
-    assert s._per_optimizer_states[id(opt)]["flags"].device.type == "meta"
-    assert s._per_optimizer_states[id(opt)]["flags"].dtype == torch.float32
+    (flag,) = s._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+    assert flag.device.type == "meta" and flag.dtype == torch.float32
     q = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     q.param_groups[0]["params"] = []  # no parameters at all: the CPU
     t = LossScaler(enabled=False)
@@ -1144,8 +1173,9 @@ def test_an_empty_history_before_the_first_step_has_three_float64_columns():
     s.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
     h = s.state_dict()["history"]
     assert h.shape == (0, 3) and h.dtype == torch.float64
-    t = LossScaler()
-    t.load_state_dict({**LossScaler().state_dict(), "history": [[1, 8, 1], [2, 4, 0]]})
+    t = LossScaler()  # a state of ampctl 0.2: the history, no records
+    old = {k: v for k, v in LossScaler().state_dict().items() if k != "records"}
+    t.load_state_dict({**old, "history": [[1, 8, 1], [2, 4, 0]], "num_updates": 2})
     h = t.state_dict()["history"]
     assert h.dtype == torch.float64 and h.tolist() == [[1.0, 8.0, 1.0], [2.0, 4.0, 0.0]]
 
@@ -1155,8 +1185,8 @@ def test_a_disabled_scaler_pickles_without_its_step_under_way():
     s.scale(torch.tensor(INF))
     s._per_optimizer_states[0]["stage"] = OptState.UNSCALED
     t = pickle.loads(pickle.dumps(s))
-    assert t._loss_nonfinite is None and len(t._per_optimizer_states) == 0
-    assert s._loss_nonfinite is not None  # the original is left as it was
+    assert t._loss_sum is None and len(t._per_optimizer_states) == 0
+    assert s._loss_sum is not None  # the original is left as it was
 
 
 def test_histories_are_float64_with_three_columns_from_the_start():
@@ -1174,13 +1204,14 @@ def test_a_short_history_loaded_into_a_larger_ring_keeps_its_order():
     src = LossScaler(init_scale=64.0, history_size=3)
     for i in range(5):
         _step(src, model, opt, plant=INF if i == 3 else None)
-    want = src.recent_history(3).tolist()
+    want = src._history_tensor().tolist()
     dst = LossScaler(history_size=4)
     dst.load_state_dict(src.state_dict())
     dst.init_state("cpu")
-    assert dst.recent_history(3).tolist() == want
+    assert dst._history_tensor().tolist() == want
     _step(dst, model, opt)
-    assert dst.recent_history(4).tolist() == [*want, [6.0, 32.0, 0.0]]
+    assert dst._history_tensor().tolist() == [*want, [6.0, 32.0, 0.0]]
+    assert dst.skipped_steps == 1
 
 
 def test_update_numbers_stay_exact_past_float32_integers():
@@ -1190,7 +1221,7 @@ def test_update_numbers_stay_exact_past_float32_integers():
     s.init_state("cpu")
     s._num_updates = 2**24 + 2
     _step(s, model, opt)
-    assert s.recent_history(1)[0, 0].item() == 2**24 + 3
+    assert s._history_tensor()[-1, 0].item() == 2**24 + 3
     assert s.history()[-1][0] == 2**24 + 3
 
 
@@ -1198,7 +1229,7 @@ def test_a_disabled_scaler_records_losses_from_any_iterable():
     s = LossScaler(enabled=False)
     gen = s.scale(t for t in (torch.tensor(1.0), torch.tensor(NAN)))
     assert [t.item() == t.item() for t in gen] == [True, False]  # handed back as given
-    assert s._loss_nonfinite.item() is True
+    assert math.isnan(s._loss_sum.item())
     assert s.stats()["scale"] == 1.0
 
 
@@ -1236,15 +1267,16 @@ def test_maybe_opt_step_reached_into_directly_decides_from_the_recorded_flags():
     state = s._per_optimizer_states[id(opt)]
     w = model.weight.detach().clone()
     assert s._maybe_opt_step(opt, state) is None
-    assert torch.equal(model.weight, w) and state["flags"].tolist() == [1.0, 0.0]
-    assert s.last_skip_read is True
+    flags = lambda: [v.item() for v in state["found_inf_per_device"].values()]  # noqa: E731
+    assert torch.equal(model.weight, w) and flags() == [1.0]
+    assert s._skip_read is True
     s.update()
     opt.zero_grad()
     _backward(s, model)
     s.unscale_(opt)
     state = s._per_optimizer_states[id(opt)]
     s._maybe_opt_step(opt, state)
-    assert not torch.equal(model.weight, w) and state["flags"].tolist() == [0.0, 0.0]
+    assert not torch.equal(model.weight, w) and flags() == [0.0]
 
 
 def test_the_step_read_remembers_a_skip_across_optimizers_in_any_order():
@@ -1257,9 +1289,9 @@ def test_the_step_read_remembers_a_skip_across_optimizers_in_any_order():
     a.weight.grad[0, 0] = INF
     s.step(oa)
     s.step(ob)
-    assert s.last_skip_read is True
+    assert s._skip_read is True
     s.update()
-    assert s.last_step_skipped_host is True
+    assert s.last_skip_read is True
 
 
 def test_recent_history_never_returns_more_than_was_recorded():
@@ -1268,10 +1300,50 @@ def test_recent_history_never_returns_more_than_was_recorded():
     s = LossScaler(init_scale=8.0)
     _step(s, model, opt)
     _step(s, model, opt)
-    assert s.recent_history(5).tolist() == [[1.0, 8.0, 0.0], [2.0, 8.0, 0.0]]
+    assert s._history_tensor().tolist() == [[1.0, 8.0, 0.0], [2.0, 8.0, 0.0]]
+    assert s.recent_records(5).shape == (2, len(rec.COLUMNS))
 
 
 def test_a_disabled_scaler_reports_scale_one_whatever_its_state_holds():
     s = LossScaler(enabled=False)
     s._scale = 8.0  # GradScaler's attribute, written on a disabled scaler
     assert s.stats()["scale"] == 1.0 and s.get_scale() == 1.0
+
+
+def test_counters_cover_every_step_when_the_ring_wraps_and_survive_a_save():
+    """history_size=3 over 11 steps: the oldest records are folded into the counters as the ring
+    wraps; a pickled, reloaded or state-dict copy counts exactly the same (no step twice, none
+    lost), and so does a run of skips that crosses a fold."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s = LossScaler(init_scale=2.0**20, history_size=3)
+    plan = [None, INF, None, None, INF, INF, INF, INF, None, "nan", None]
+    for p in plan:
+        if p == "nan":
+            _step(s, model, opt, loss_mul=NAN)
+        else:
+            _step(s, model, opt, plant=p)
+    want = {"skipped_total": 6, "forward_overflows": 1, "consecutive_overflows": 0, "steps": 11}
+    assert {k: s.stats()[k] for k in want} == want
+    for copy_ in (
+        pickle.loads(pickle.dumps(s)),
+        copy.deepcopy(s),
+        _loaded(s.state_dict()),
+        _loaded(s.state_dict(), history_size=8),
+    ):
+        assert {k: copy_.stats()[k] for k in want} == want
+        _step(copy_, model, opt, plant=INF)
+        _step(copy_, model, opt, plant=INF)
+        assert copy_.skipped_steps == 8 and copy_.consecutive_overflows == 2
+    # a run of four skips across a fold (steps 5-8 with a ring of 3)
+    t = LossScaler(init_scale=2.0**20, history_size=3)
+    for p in [None, None, None, None, INF, INF, INF, INF]:
+        _step(t, model, opt, plant=p)
+    assert t.consecutive_overflows == 4 and t.skipped_steps == 4
+    assert _loaded(t.state_dict()).consecutive_overflows == 4
+
+
+def _loaded(sd: dict, **kw) -> LossScaler:
+    out = LossScaler(**kw)
+    out.load_state_dict(sd)
+    return out

@@ -25,7 +25,7 @@ from ampctl.commands.bench import (
     print_report,
 )
 from ampctl.errors import UsageError
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from tests.conftest import FAST
 
 runner = CliRunner()

@@ -28,7 +28,7 @@ from ampctl.commands.plot import (
 )
 from ampctl.config import load_config
 from ampctl.errors import UsageError
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import train
 from ampctl.ui.tensorboard import TB_HINT, TensorBoardSink, make_tensorboard_sink
 from tests.conftest import FAST, read_jsonl

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ampctl.hostreads import count_host_reads
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 from tests.train.test_protection import reads_per_step
@@ -67,7 +67,7 @@ def test_run_folder_has_everything(fast_cfg):
 
 
 def test_existing_run_folder_is_never_overwritten(fast_cfg):
-    from ampctl.train.run import RunExistsError
+    from ampctl.runlog.writers import RunExistsError
 
     cfg = fast_cfg()
     d = new_run_dir(cfg.trainer.runs_dir, "same")

@@ -18,8 +18,8 @@ from torch import nn
 from ampctl.amp import LossScaler
 from ampctl.commands.bench import bench, measure_host_reads
 from ampctl.config import load_config
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 

@@ -197,4 +197,4 @@ def test_accelerates_fsdp2_scaler_load_path_works_on_a_loss_scaler(tmp_path, mon
     assert scaler2.get_scale() == 512.0 and scaler2.skipped_steps == 1
     acc2.backward(model2(**batches(1)[0])["loss"])
     opt2.step()
-    assert scaler2.num_steps == 3 and not acc2.optimizer_step_was_skipped
+    assert scaler2.num_updates == 3 and not acc2.optimizer_step_was_skipped

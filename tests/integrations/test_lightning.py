@@ -18,6 +18,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from ampctl.amp import LossScaler  # noqa: E402
+from ampctl.integrations import IntegrationError  # noqa: E402
 from ampctl.integrations.lightning import AmpctlCallback, AmpctlPrecision  # noqa: E402
 from tests.conftest import read_jsonl  # noqa: E402
 from tests.integrations.conftest import TinyNet, batches, plant_inf  # noqa: E402
@@ -59,9 +60,10 @@ def _loader():
     return torch.utils.data.DataLoader(batches(16), batch_size=None)
 
 
-def _trainer(max_steps, callbacks, tmp_path):
+def _trainer(max_steps, callbacks, tmp_path, **kw):
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     return L.Trainer(
+        **kw,
         max_steps=max_steps,
         callbacks=callbacks,
         accelerator="cpu",
@@ -80,7 +82,9 @@ def fits(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lit")
     torch.manual_seed(0)
     a_model, a_watch = Lit(plant=(3, 6)), Watch()
-    a_cb = AmpctlCallback(tmp / "run", log_every=2, scaler=LossScaler(init_scale=1024.0))
+    a_cb = AmpctlCallback(
+        tmp / "run", log_every=2, scaler=LossScaler(init_scale=1024.0), precision="fp16"
+    )
     ckpt = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=4, save_top_k=-1)
     a = _trainer(8, [a_cb, a_watch, ckpt], tmp)
     a.fit(a_model, _loader())
@@ -93,7 +97,7 @@ def fits(tmp_path_factory):
     (step4,) = [p for p in (tmp / "ckpt").iterdir() if "step=4" in p.name]
     torch.manual_seed(0)
     b_model = Lit(plant=(6,))
-    b_cb = AmpctlCallback(tmp / "run", log_every=2)
+    b_cb = AmpctlCallback(tmp / "run", log_every=2, precision="fp16")
     b = _trainer(8, [b_cb], tmp)
     b.fit(b_model, _loader(), ckpt_path=step4, weights_only=True)
     return {
@@ -169,7 +173,9 @@ def test_ckpt_path_resume_continues_the_scaler_the_guard_and_the_run_folder(fits
 def test_at_the_scale_floor_the_plugin_falls_back_to_bf16(tmp_path):
     torch.manual_seed(0)
     model = Lit(plant=(2, 3))
-    cb = AmpctlCallback(tmp_path / "run", log_every=2, scaler=LossScaler(init_scale=1.0))
+    cb = AmpctlCallback(
+        tmp_path / "run", log_every=2, scaler=LossScaler(init_scale=1.0), precision="fp16"
+    )
     trainer = _trainer(5, [cb], tmp_path)
     trainer.fit(model, _loader())
     plugin = trainer.strategy.precision_plugin
@@ -182,7 +188,9 @@ def test_at_the_scale_floor_the_plugin_falls_back_to_bf16(tmp_path):
     # a checkpoint keeps the precision reached: a resumed fit continues in bf16
     trainer.save_checkpoint(tmp_path / "fb.ckpt")
     model2 = Lit()
-    trainer2 = _trainer(6, [AmpctlCallback(tmp_path / "run", log_every=2)], tmp_path)
+    trainer2 = _trainer(
+        6, [AmpctlCallback(tmp_path / "run", log_every=2, precision="fp16")], tmp_path
+    )
     trainer2.fit(model2, _loader(), ckpt_path=tmp_path / "fb.ckpt", weights_only=True)
     assert trainer2.strategy.precision_plugin.amp.name == "bf16"
     assert model2.net.seen == [torch.bfloat16]
@@ -223,7 +231,9 @@ def test_public_gradscaler_idioms_work_inside_a_lightning_fit(tmp_path):
     try:
         torch.manual_seed(0)
         model, idioms = Lit(plant=(2,)), PublicIdioms()
-        cb = AmpctlCallback(tmp_path / "run", log_every=2, scaler=LossScaler(init_scale=512.0))
+        cb = AmpctlCallback(
+            tmp_path / "run", log_every=2, scaler=LossScaler(init_scale=512.0), precision="fp16"
+        )
         _trainer(6, [cb, idioms], tmp_path).fit(model, _loader())
     finally:
         dist.destroy_process_group()
@@ -238,3 +248,33 @@ def test_public_gradscaler_idioms_work_inside_a_lightning_fit(tmp_path):
     ]
     assert [(e["kind"], e["step"]) for e in cb.run.events] == [("overflow", 2), ("overflow", 4)]
     assert cb.run.scaler.skipped_steps == 2
+
+
+@pytest.mark.parametrize(("flag", "runs"), [("32-true", "fp32"), ("bf16-mixed", "bf16")])
+def test_without_a_precision_the_callback_follows_the_trainer(tmp_path, flag, runs):
+    """No silent precision of the callback's own: it runs what the Trainer says."""
+    model = Lit()
+    cb = AmpctlCallback(tmp_path / "run", log_every=2)
+    trainer = _trainer(2, [cb], tmp_path, precision=flag)
+    trainer.fit(model, _loader())
+    assert trainer.strategy.precision_plugin.amp.name == runs
+    assert not cb.run.scaler.is_enabled()  # bf16 and fp32 do not scale the loss
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["precision"] == runs
+
+
+def test_a_precision_that_differs_from_the_trainers_is_refused_with_one_line(tmp_path):
+    """On a CPU Lightning turns 16-mixed into bf16-mixed: asking the callback for fp16 on top of
+    it is a contradiction, named with the way out."""
+    warnings.filterwarnings("ignore", ".*AMP with fp16 is not supported on CPU.*")
+    cb = AmpctlCallback(tmp_path / "run", precision="fp16")
+    trainer = _trainer(2, [cb], tmp_path, precision="16-mixed")
+    with pytest.raises(IntegrationError) as e:
+        trainer.fit(Lit(), _loader())
+    assert str(e.value) == (
+        "AmpctlCallback: precision='fp16' but the Trainer runs precision='bf16-mixed': give the "
+        "precision once, to the Trainer or to the callback (with the Trainer at '32-true') "
+        "(Lightning turns precision='16-mixed' into 'bf16-mixed' on a CPU: for fp16 there leave "
+        "the Trainer at '32-true' and pass precision='fp16' here)"
+    )
+    assert not (tmp_path / "run").exists()  # refused before anything was written

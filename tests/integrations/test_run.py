@@ -15,16 +15,18 @@ from torch import nn
 
 from ampctl.amp import LossScaler
 from ampctl.errors import UsageError
-from ampctl.integrations import IntegrationError, ProtectedRun
-from ampctl.train.protection import TrainAborted
+from ampctl.integrations import IntegrationError, LoopInfo, ProtectedRun
+from ampctl.protect.protection import TrainAborted
 from tests.conftest import read_jsonl
 from tests.integrations.conftest import TinyNet, batches
 
 
-def _loop(run, model, opt, scaler, steps, *, plant=(), data=None, watch=None, accum=1):
+def _loop(
+    run, model, opt, scaler, steps, *, plant=(), data=None, watch=None, accum=1, numbered=False
+):
     """The user's loop: autocast fp16, scale/backward, step, update, then ``run.after_step``.
     ``plant``: steps whose head.weight gradient gets an inf; ``watch``: step -> weights before
-    and after."""
+    and after; ``numbered``: pass the loop's step number to ``after_step``."""
     data = data or batches(max(steps) * accum + 1)
     for step in steps:
         opt.zero_grad()
@@ -42,7 +44,7 @@ def _loop(run, model, opt, scaler, steps, *, plant=(), data=None, watch=None, ac
         scaler.update()
         if watch is not None:
             watch[step] = (before, copy.deepcopy(model.state_dict()))
-        run.after_step(loss, batch)
+        run.after_step(loss, batch, step=step if numbered else None)
 
 
 def _new(tmp_path, name="run", scaler=None, opt_kw=None, **kw):
@@ -100,7 +102,11 @@ def test_three_overflows_in_a_row_roll_back_to_the_snapshot(tmp_path):
 def test_fused_optimizer_decides_at_the_log_step_or_at_once_with_read_skips(tmp_path):
     for read, expect in ((False, None), (True, ["head.weight"])):
         model, opt, scaler, run = _new(
-            tmp_path, f"fused-{read}", opt_kw={"fused": True}, max_steps=6, read_skips=read
+            tmp_path,
+            f"fused-{read}",
+            opt_kw={"fused": True},
+            max_steps=6,
+            loop=LoopInfo(read_skips=read),
         )
         watch: dict = {}
         with run:
@@ -133,9 +139,95 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
                 assert run.after_step(loss, batch) is None or (step, i) in ((1, 1), (3, 1))
             step_losses.append(total)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [2, 4] and run.step == 4 and scaler.num_steps == 4
+    assert [r["step"] for r in rows] == [2, 4] and run.step == 4 and scaler.num_updates == 4
     assert rows[0]["loss"] == pytest.approx(sum(step_losses[:2]) / 2, rel=1e-5)
     assert rows[1]["loss"] == pytest.approx(sum(step_losses[2:]) / 2, rel=1e-5)
+
+
+def test_micro_batches_need_no_extra_call_the_loss_is_what_the_scaler_saw(tmp_path):
+    """nanoGPT's shape: four micro-batches, ``after_step`` once per optimizer step with the last
+    micro-batch's loss. The row's loss is the step's whole loss (every ``loss / 4`` the scaler
+    was given), not a quarter of it."""
+    model, opt, scaler, run = _new(tmp_path, max_steps=4)
+    data, step_losses = batches(16), []
+    with run:
+        for step in range(4):
+            opt.zero_grad()
+            total = 0.0
+            for i in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(**data[4 * step + i])["loss"] / 4
+                scaler.scale(loss).backward()
+                total += loss.item()
+            scaler.step(opt)
+            scaler.update()
+            run.after_step(loss)  # the last micro-batch's loss only
+            step_losses.append(total)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4]
+    assert rows[0]["loss"] == pytest.approx(sum(step_losses[:2]) / 2, rel=1e-5)
+    assert rows[1]["loss"] == pytest.approx(sum(step_losses[2:]) / 2, rel=1e-5)
+
+
+def test_the_first_steps_number_resumes_the_folder_and_a_fresh_scaler_takes_its_scale(tmp_path):
+    """A loop that saves no scaler (nanoGPT): the new process builds a fresh LossScaler and
+    calls ``after_step(step=5)`` first. The run folder resumes at 4 (the rows and events after
+    it set aside), and the scale and skip counters are those the folder recorded at step 4."""
+    model, opt, scaler, run = _new(tmp_path, max_steps=8)
+    data = batches(9)
+    with run:
+        _loop(run, model, opt, scaler, range(1, 7), plant={3}, data=data)
+    assert scaler.get_scale() == 512.0
+    model2, opt2, scaler2, run2 = _new(tmp_path, max_steps=8)  # fresh: scale 1024, no skips
+    _loop(run2, model2, opt2, scaler2, range(5, 9), data=data, numbered=True)
+    run2.finish()
+    folder = tmp_path / "run"
+    assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == [2, 4, 6, 8]
+    events = read_jsonl(folder / "events.jsonl")
+    assert [(e["kind"], e["step"]) for e in events] == [("overflow", 3), ("resume", 4)]
+    assert events[1]["message"] == "resumed at step 4 (loop); the scale 512 from the run folder"
+    rows = read_jsonl(folder / "metrics.jsonl")
+    assert (rows[2]["scale"], rows[2]["skipped"]) == (512.0, 1)
+    assert scaler2.skipped_steps == 1 and scaler2.get_scale() == 512.0
+
+
+_DETACHED = """
+import sys, torch
+from ampctl.amp import LossScaler
+from ampctl.integrations import ProtectedRun
+from tests.integrations.conftest import TinyNet, batches
+model = TinyNet()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scaler = LossScaler(init_scale=1024.0)
+run = ProtectedRun(model, opt, scaler, run_dir=sys.argv[1], log_every=2).attach()
+for step, batch in enumerate(batches(3), 1):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch)["loss"]
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    run.after_step(loss, batch)
+    opt.zero_grad()
+if sys.argv[2] == "crash":
+    raise RuntimeError("the loop broke")
+"""
+
+
+@pytest.mark.parametrize(("end", "status", "code"), [("exit", "ok", 0), ("crash", "failed", 1)])
+def test_attach_without_detach_still_writes_the_summary(tmp_path, end, status, code):
+    """``while True:`` loops: ``attach()`` instead of a ``with`` block; a process that ends
+    without ``detach()`` -- normally or by an exception -- leaves its summary."""
+    res = subprocess.run(
+        [sys.executable, "-c", _DETACHED, str(tmp_path / "run"), end],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert res.returncode == code, res.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == (status, 3)
+    assert ("RuntimeError: the loop broke" in res.stderr) == (end == "crash")
 
 
 def test_resume_continues_the_run_folder_and_the_guard(tmp_path):
@@ -270,3 +362,34 @@ def test_core_ampctl_imports_no_framework_and_a_missing_one_says_how_to_install(
         "ampctl.integrations.lightning needs the 'lightning' package, which is not installed: "
         'pip install "ampctl[lightning]"'
     )
+
+
+def test_the_nanogpt_shaped_example_trains_accumulates_and_resumes(tmp_path):
+    """examples/nanogpt_style.py as a user runs it: 12 iterations from scratch (a checkpoint of
+    model, optimizer and iter_num at 10, no scaler), then ``resume`` to 14. The run folder
+    continues at 10: the row logged at 12 (the first run's last) is dropped, one resume event,
+    the rows' loss is the whole step's loss (it falls), and the summary counts 14 steps."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "nanogpt_style.py"
+    out = tmp_path / "out"
+    for args in (("scratch", "12"), ("resume", "14")):
+        res = subprocess.run(
+            [sys.executable, str(example), str(out), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=example.parents[1],
+        )
+        assert res.returncode == 0, res.stderr
+    folder = out / "ampctl"
+    rows = read_jsonl(folder / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [10, 14]
+    assert rows[0]["loss"] > rows[-1]["loss"]  # the whole step's loss falls: not loss / 4
+    assert all(r["scale"] == 65536.0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["loss"] > 1.5  # a quarter of the real loss would read ~0.6 here
+    events = read_jsonl(folder / "events.jsonl")
+    assert [(e["kind"], e["step"]) for e in events] == [("resume", 10)]
+    assert "the scale 65536 from the run folder" in events[0]["message"]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("ok", 14)
+    assert not (folder / "branches").exists()  # no checkpoint after 10 in the folder: the row
+    # at 12 was logged by a run the resume replaces, so it is dropped, not archived

@@ -27,7 +27,7 @@ from transformers import (  # noqa: E402
 
 from ampctl.amp import LossScaler  # noqa: E402
 from ampctl.integrations.accelerate import AmpctlAcceleratedOptimizer  # noqa: E402
-from ampctl.integrations.transformers import protect_trainer  # noqa: E402
+from ampctl.integrations.transformers import SCALER_FILE, protect_trainer  # noqa: E402
 from ampctl.ui.display import Display  # noqa: E402
 from tests.conftest import read_jsonl  # noqa: E402
 from tests.integrations.conftest import plant_inf  # noqa: E402
@@ -62,7 +62,7 @@ class Watch(TrainerCallback):
         self.weights[state.global_step] = (self._before, copy.deepcopy(model.state_dict()))
 
 
-def _trainer(out, max_steps, plant, **protect):
+def _trainer(out, max_steps, plant, protect=True, **kw):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def _trainer(out, max_steps, plant, **protect):
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[watch])
-    cb = protect_trainer(trainer, **protect)
+    cb = protect_trainer(trainer, **kw) if protect else None
     return trainer, cb, watch, seen
 
 
@@ -165,7 +165,9 @@ def test_planted_overflow_is_skipped_backs_off_and_is_recorded(runs):
 
 def test_resume_from_checkpoint_loads_the_scaler_and_continues_the_run(runs):
     tmp, b, b_cb = runs["tmp"], runs["b"], runs["b_cb"]
-    saved = torch.load(tmp / "out" / "checkpoint-4" / "scaler.pt", weights_only=True)
+    # a plain Trainer on a CPU has no scaler: the state is kept where only ampctl reads it
+    assert not (tmp / "out" / "checkpoint-4" / "scaler.pt").exists()
+    saved = torch.load(tmp / "out" / "checkpoint-4" / SCALER_FILE, weights_only=True)
     assert saved["scale"] == 512.0 and saved["skipped_total"] == 1
     sc = b.accelerator.scaler
     assert isinstance(sc, LossScaler) and sc.skipped_steps == 2 and sc.get_scale() == 256.0
@@ -188,3 +190,12 @@ def test_resume_from_checkpoint_loads_the_scaler_and_continues_the_run(runs):
     summary = json.loads((tmp / "run" / "summary.json").read_text())
     assert (summary["steps"], summary["skipped"], summary["framework"]) == (8, 2, "transformers")
     assert summary["status"] == "ok" and summary["precision"] == "fp16"
+
+
+def test_a_plain_trainer_resumes_a_checkpoint_written_under_protect_trainer(runs):
+    """Using ampctl once does not lock the checkpoints in: transformers' own resume (no ampctl)
+    continues from checkpoint-4 to the end."""
+    tmp = runs["tmp"]
+    plain, _, watch, _ = _trainer(tmp / "out-plain", 6, set(), protect=False)
+    plain.train(resume_from_checkpoint=str(tmp / "out" / "checkpoint-4"))
+    assert plain.state.global_step == 6 and sorted(watch.weights) == [5, 6]

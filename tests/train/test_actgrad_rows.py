@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import read_jsonl
 
@@ -18,11 +18,13 @@ def _rows(fast_cfg, name, *extra):
 def test_fp16_rows_carry_both_underflow_figures_and_the_scale_lowers_the_activation_one(
     fast_cfg,
 ):
-    scaled = _rows(fast_cfg, "scaled", "precision=fp16", "scaler.init_scale=65536")
+    every = "logging.act_grad_layers=0"  # every layer on every log step
+    scaled = _rows(fast_cfg, "scaled", "precision=fp16", "scaler.init_scale=65536", every)
     unscaled = _rows(
         fast_cfg,
         "unscaled",
         "precision=fp16",
+        every,
         "scaler.init_scale=1",
         "scaler.min_scale=1",
         "scaler.max_scale=1",

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 
 from ampctl.errors import UsageError
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import Trainer
 from tests.conftest import read_jsonl
 

@@ -15,9 +15,9 @@ import torch
 from typer.testing import CliRunner
 
 from ampctl.cli import app
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train import checkpoint as ckpt_mod
 from ampctl.train.checkpoint import list_checkpoints, load_checkpoint
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ampctl.train.builders import build_data
 from ampctl.train.data import (
     CLS_ID,
     FIRST_ORDINARY_ID,
@@ -23,7 +24,6 @@ from ampctl.train.data import (
     SyntheticMLM,
     TextMLM,
     apply_mlm_masking,
-    build_data,
     decode,
     encode,
 )

@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, runs: str, out: str, strategy: str
         [*FAST, f"trainer.runs_dir={runs}", f"dist.strategy={strategy}", "guard.rollback_after=0"]
     )
     run_dir = ctx.broadcast_object(
-        __import__("ampctl.train.run", fromlist=["x"]).new_run_dir(runs, "d") if rank == 0 else None
+        __import__("ampctl.runlog", fromlist=["x"]).new_run_dir(runs, "d") if rank == 0 else None
     )
 
     def fault(tr, step, phase):
@@ -132,7 +132,7 @@ def test_ddp_and_fsdp_match_single_process_on_the_same_global_batch(tmp_path):
 
 
 def _mk(runs, name):
-    from ampctl.train.run import new_run_dir
+    from ampctl.runlog.writers import new_run_dir
 
     return new_run_dir(runs, name)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ampctl.config import load_config
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import read_jsonl
 

@@ -16,8 +16,8 @@ pytest.importorskip("torchao.float8")
 
 from ampctl.amp import fp8  # noqa: E402
 from ampctl.hostreads import count_host_reads  # noqa: E402
+from ampctl.runlog.writers import new_run_dir  # noqa: E402
 from ampctl.train.checkpoint import load_checkpoint  # noqa: E402
-from ampctl.train.run import new_run_dir  # noqa: E402
 from ampctl.train.trainer import Trainer  # noqa: E402
 from tests.conftest import read_jsonl  # noqa: E402
 
@@ -74,13 +74,13 @@ def test_host_reads_per_step_under_fp8(fast_cfg, monkeypatch, fused, recipe, exp
     import ampctl.amp.precision.fp8 as plugin
 
     opened = []
-    real_probe = plugin.fp8.probe
+    real_probe = plugin.fp8.record_casts
 
     def counting_probe(model, *, enabled=True):
         opened.append(tr.step + 1)
         return real_probe(model, enabled=enabled)
 
-    monkeypatch.setattr(plugin.fp8, "probe", counting_probe)
+    monkeypatch.setattr(plugin.fp8, "record_casts", counting_probe)
     tr = _trainer(
         fast_cfg,
         f"reads{fused}",
@@ -94,14 +94,10 @@ def test_host_reads_per_step_under_fp8(fast_cfg, monkeypatch, fused, recipe, exp
     assert tr.precision.recipe == recipe  # the config reaches the plugin
     assert fp8.cast_formats(layer)["go"] == ("e4m3" if recipe == "rowwise" else "e5m2")
     tr.protection.start(tr.step)
-    per_step = []
+    per_step, row = [], None
     for _ in range(8):
-        log = tr._is_due(tr.cfg.trainer.log_every)
         with count_host_reads() as reads:
-            out = tr.train_step(log)
-            tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-            if log:
-                row = tr.log_step(out)
+            row = tr.step_once() or row
         per_step.append(reads.total)
     assert per_step == expected
     assert opened == [5]  # sampled on the log step only

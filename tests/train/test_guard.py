@@ -12,8 +12,8 @@ import torch
 from ampctl.amp.guard import Action, GuardRules, Observation, decide, next_precision
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.hostreads import count_host_reads
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 

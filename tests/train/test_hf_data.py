@@ -25,8 +25,11 @@ from ampctl.config import load_config  # noqa: E402
 from ampctl.errors import UsageError  # noqa: E402
 from ampctl.tokenizer import train_tokenizer  # noqa: E402
 from ampctl.train import hf_data  # noqa: E402
-from ampctl.train.builders import build_data_source  # noqa: E402
-from ampctl.train.data import IGNORE_INDEX, DataError, build_data  # noqa: E402
+from ampctl.train.builders import (
+    build_data,
+    build_data_source,  # noqa: E402
+)
+from ampctl.train.data import IGNORE_INDEX, DataError  # noqa: E402
 from ampctl.train.hf_data import HFSource, load_tokenizer  # noqa: E402
 
 WORDS = (
@@ -43,6 +46,10 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _source(cfg):
+    return build_data_source(cfg.data, model=cfg.model, seed=cfg.trainer.seed)
 
 
 def _document(rng: random.Random) -> str:
@@ -396,14 +403,14 @@ def test_builder_checks_the_model_vocabulary(corpus: Path, tokenizer: Path, tmp_
         "data.seq_len=16",
         f"data.vocab_size={VOCAB}",
     ]
-    src = build_data_source(load_config(base))
+    src = _source(load_config(base))
     assert src.objective == "causal" and src.seq_len == 16
     with pytest.raises(
         UsageError, match="more than model.vocab_size=300: set model.vocab_size=400"
     ):
-        build_data_source(load_config([*base, "model.vocab_size=300"]))
+        _source(load_config([*base, "model.vocab_size=300"]))
     with pytest.raises(UsageError, match="more than data.vocab_size=350"):
-        build_data_source(load_config([*base[:-1], "data.vocab_size=350"]))
+        _source(load_config([*base[:-1], "data.vocab_size=350"]))
 
 
 # ------------------------------------------------------------------ real text

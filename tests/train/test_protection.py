@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampctl.hostreads import count_host_reads
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
 
@@ -38,12 +38,8 @@ def reads_per_step(tr: Trainer, steps: int) -> list[int]:
     tr.protection.start(tr.step)
     counts = []
     for _ in range(steps):
-        log = tr._is_due(tr.cfg.trainer.log_every)
         with count_host_reads() as reads:
-            out = tr.train_step(log)
-            tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-            if log:
-                tr.log_step(out)
+            tr.step_once()
         counts.append(reads.total)
     return counts
 

@@ -12,10 +12,12 @@ import pytest
 import torch
 from torch import nn
 
+from ampctl.amp import records as rec
 from ampctl.amp.checks import FieldError
 from ampctl.amp.guard import GuardRules
 from ampctl.amp.precision import PRECISIONS, make_precision
-from ampctl.train.protection import GuardConfig, Protection, TrainAborted
+from ampctl.protect.protection import Protection, TrainAborted
+from ampctl.protect.settings import GuardConfig
 
 INF = float("inf")
 
@@ -101,7 +103,7 @@ class Loop:
             prec,
             config=GuardConfig(**guard),
             emit=self.emitted.append,
-            progress=self.progress,
+            progress_state=self.progress.state_dict if self.progress is not None else None,
             **(protection or {}),
         )
         if start:
@@ -127,8 +129,20 @@ class Loop:
             params[name].grad.view(-1)[0] = INF
         prot.precision.unscale_(prot.optimizer)
         skipped = prot.precision.optimizer_step(prot.optimizer)
-        prot.after_step(self.n, skipped=skipped, batches=[BATCH] if batches is None else batches)
+        self.apply(
+            prot.after_step(
+                self.n, skipped=skipped, batches=[BATCH] if batches is None else batches
+            )
+        )
         return skipped
+
+    def apply(self, rewind) -> None:
+        """The loop owns its position: a rollback hands it back and the loop restores it."""
+        if rewind is not None and self.progress is not None and rewind.progress is not None:
+            self.progress.load_state_dict(rewind.progress)
+
+    def sync(self):
+        self.apply(self.prot.sync())
 
     def kinds(self) -> list[str]:
         return [e["kind"] for e in self.prot.events]
@@ -149,6 +163,14 @@ def _same(a, b) -> bool:
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def _records(reads: torch.Tensor) -> tuple[float, list[tuple[float, float]]]:
+    """A pending read as (scale now, [(scale used, skipped) per step record])."""
+    vals = reads.tolist()
+    w = len(rec.COLUMNS)
+    rows = [vals[1 + i : 1 + i + w] for i in range(0, len(vals) - 1, w)]
+    return vals[0], [(r[rec.SCALE], r[rec.SKIPPED]) for r in rows]
 
 
 def _strip(ev: dict) -> dict:
@@ -199,13 +221,17 @@ def test_clean_steps_emit_nothing_and_refresh_the_snapshot_every_n_steps():
     assert loop.prot.events == [] and loop.emitted == []
     saved = loop.state()
     snap = loop.prot.snapshot
-    assert _same(snap.model, saved["model"]) and _same(snap.optimizer, saved["optimizer"])
-    assert snap.progress == {"step": 4, "seen": 32} and snap.master is None
-    loop.step()
-    assert loop.prot.snapshot is snap
+    assert _same(snap.model_state(), saved["model"])
+    assert _same(snap.optimizer_state(), saved["optimizer"])
+    assert snap.progress == {"step": 4, "seen": 32} and snap.masters() is None
     loop.step()  # the snapshot holds copies: training on does not change it
-    assert loop.prot.snapshot is not snap and loop.prot.snapshot.step == 6
-    assert _same(snap.model, saved["model"]) and _same(snap.optimizer, saved["optimizer"])
+    assert snap.step == 4 and _same(snap.model_state(), saved["model"])
+    assert _same(snap.optimizer_state(), saved["optimizer"])
+    loop.step()  # refreshed in place, into the same buffers
+    now = loop.state()
+    assert loop.prot.snapshot is snap and snap.step == 6
+    assert _same(snap.model_state(), now["model"]) and not _same(now["model"], saved["model"])
+    assert _same(snap.optimizer_state(), now["optimizer"])
 
 
 def test_a_skipped_step_does_not_count_towards_the_next_snapshot():
@@ -269,7 +295,7 @@ def test_events_are_kept_without_an_emit_function():
     assert [_strip(e) for e in prot.events] == [
         {"step": 3, "kind": "warning", "message": "hello", "x": 1}
     ]
-    assert prot.config == GuardConfig() and prot.progress is None
+    assert prot.config == GuardConfig() and prot.progress_state is None
 
 
 # ------------------------------------------------------------------ rollback
@@ -361,7 +387,7 @@ def test_rollback_restores_fp16_pure_masters():
     loop = Loop("fp16-pure", snapshot_every=1, rollback_after=2)
     loop.step()
     masters = [m.detach().clone() for m in loop.prot.precision.master.params]
-    assert _same(loop.prot.snapshot.master, masters)
+    assert _same(loop.prot.snapshot.masters(), masters)
     loop.step()
     loop.step(plant=("head.weight",))
     loop.step(plant=("head.weight",))
@@ -647,7 +673,7 @@ class _Gathers:
 def test_fused_path_decides_at_the_read_with_the_same_steps():
     loop = Loop(fused=True, snapshot_every=1, rollback_after=3)
     assert loop.prot.pending_reads() is None
-    loop.prot.sync()  # nothing waits: nothing to read
+    loop.sync()  # nothing waits: nothing to read
     loop.step()
     assert loop.step(plant=("head.weight",)) is None
     loop.step(plant=("head.weight",))
@@ -656,15 +682,11 @@ def test_fused_path_decides_at_the_read_with_the_same_steps():
     assert loop.prot.events == []
     reads = loop.prot.pending_reads()
     assert reads.dtype == torch.float64
-    assert reads.tolist() == [
+    assert _records(reads) == (
         128.0,
-        *(1.0, 1024.0, 0.0),
-        *(2.0, 1024.0, 1.0),
-        *(3.0, 512.0, 1.0),
-        *(4.0, 256.0, 1.0),
-        *(5.0, 128.0, 0.0),
-    ]
-    loop.prot.on_read(reads.tolist())
+        [(1024.0, 0.0), (1024.0, 1.0), (512.0, 1.0), (256.0, 1.0), (128.0, 0.0)],
+    )  # the scale now, then (scale used, skipped) of each step since the first waiting one
+    loop.apply(loop.prot.on_read(reads.tolist()))
     assert loop.kinds() == ["overflow", "overflow", "overflow", "rollback"]
     first = loop.prot.events[0]
     assert _strip(first) == {
@@ -696,23 +718,22 @@ def test_fused_path_snapshots_only_at_a_clean_read_far_enough_apart():
     loop = Loop(fused=True, snapshot_every=3)
     loop.step()
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 0  # 2 steps since the last one
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 3  # exactly 3
     loop.step()
     loop.step()
-    assert loop.prot.pending_reads().tolist() == [
+    assert _records(loop.prot.pending_reads()) == (
         1024.0,
-        *(4.0, 1024.0, 0.0),
-        *(5.0, 1024.0, 0.0),
-    ]  # only the steps since the last read
-    loop.prot.sync()
+        [(1024.0, 0.0), (1024.0, 0.0)],
+    )  # only the steps since the last read
+    loop.sync()
     assert loop.prot.snapshot.step == 3  # 2 steps since the snapshot
     loop.step()
     loop.step(plant=("head.weight",))
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 3  # the last step overflowed
     assert loop.kinds() == ["overflow"]
     assert loop.prot.events[0]["scale"] == 512.0  # the scale now, after the last step
@@ -723,10 +744,10 @@ def test_fused_path_without_start_snapshots_at_the_first_clean_read():
     loop = Loop(fused=True, snapshot_every=2)
     loop.prot.snapshot = None  # as if start() had not been called
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot is None  # 1 step: not yet
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.snapshot.step == 2
 
 
@@ -736,7 +757,7 @@ def test_fused_path_warns_when_the_history_is_shorter_than_the_wait():
     loop.step()
     loop.step()
     loop.step(plant=("head.weight",))
-    loop.prot.sync()
+    loop.sync()
     assert [_strip(e)["kind"] for e in loop.prot.events] == ["warning", "overflow"]
     assert _strip(loop.prot.events[0]) == {
         "step": 4,
@@ -755,7 +776,7 @@ def test_fused_path_forward_overflow_replays_on_the_later_weights():
     loop.model.amp.boost = 1.0
     loop.step()
     loop.model.amp.boost = 1000.0
-    loop.prot.sync()
+    loop.sync()
     assert loop.kinds() == ["overflow", "promotion"]
     assert loop.prot.events[0]["scale"] == 1024.0
     assert loop.prot.events[1]["message"] == (
@@ -766,7 +787,7 @@ def test_fused_path_forward_overflow_replays_on_the_later_weights():
     loop.model.amp.flaky = 1
     loop.step()
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     assert loop.prot.events[-1]["message"].endswith(
         "data-dependent) (replayed on the weights of step 2)"
     )
@@ -824,13 +845,25 @@ def test_device_of_the_protection():
     assert prot._device() == torch.device("cpu")  # the scaler's state wins
 
 
-def test_state_dict_is_the_guards_history():
+def test_state_dict_is_the_guards_history_and_the_spike_window():
     loop = Loop(rollback_after=0)
     loop.step(plant=("head.weight",))
-    assert loop.prot.state_dict() == {"window": [1], "consecutive": 1, "rollbacks": 0}
+    assert loop.prot.state_dict() == {
+        "window": [1],
+        "consecutive": 1,
+        "rollbacks": 0,
+        "spike": {"loss": None, "norm": None},  # no window statistics yet
+    }
     other = Loop()
-    other.prot.load_state_dict({"window": [0, 1], "consecutive": 1, "rollbacks": 2})
+    other.prot.load_state_dict(
+        {"window": [0, 1], "consecutive": 1, "rollbacks": 2, "spike": {"loss": [2.0, 0.5, 9]}}
+    )
     assert other.prot.guard.state_dict() == {"window": [0, 1], "consecutive": 1, "rollbacks": 2}
+    # a resumed run judges spikes from its first step: the threshold is back on the scaler
+    assert other.prot.scaler.spike_thresholds == (2.0 + 6.0 * 0.5, float("inf"))
+    old = Loop()
+    old.prot.load_state_dict({"window": [1], "consecutive": 1, "rollbacks": 0})  # ampctl 0.2
+    assert old.prot.scaler.spike_thresholds == (float("inf"), float("inf"))
 
 
 def test_start_keeps_an_existing_snapshot_and_sets_the_step():
@@ -874,7 +907,7 @@ def test_forward_overflows_at_the_floor_are_not_a_floor_problem():
 
 
 def test_a_device_without_bf16_falls_back_to_fp32(monkeypatch):
-    from ampctl.train import protection
+    from ampctl.protect import protection
 
     seen = []
 
@@ -892,7 +925,7 @@ def test_a_device_without_bf16_falls_back_to_fp32(monkeypatch):
 def test_fused_path_without_attribution_says_nothing_about_it():
     loop = Loop(fused=True, attribution=False)
     loop.step(plant=("head.weight",))
-    loop.prot.sync()
+    loop.sync()
     assert _strip(loop.prot.events[0]) == {
         "step": 1,
         "kind": "overflow",
@@ -907,7 +940,7 @@ def test_fused_path_fallback_discards_the_steps_run_after_it():
     loop.step(plant=("head.weight",))
     loop.step()
     loop.step()
-    loop.prot.sync()
+    loop.sync()
     ev = loop.prot.events[-1]
     assert (ev["kind"], ev["to_step"], ev["from_step"], ev["discarded_steps"]) == (
         "fallback",

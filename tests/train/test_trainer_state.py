@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from ampctl.cli import app
 from ampctl.runlog import RunLayout
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import Trainer
 from tests.conftest import FAST, read_jsonl
 from tests.train.test_protection import planted
@@ -65,10 +65,10 @@ def test_rollback_restores_exactly_the_snapshot(fast_cfg, precision):
     masters = {}
     while tr.step < 15:
         out = tr.train_step(False)
-        before = tr.step
         scale_after = tr.scaler.get_scale()
-        tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
-        if tr.step != before:  # rolled back
+        rewind = tr.protection.after_step(tr.step, skipped=out.skipped, batches=out.batches)
+        if rewind is not None:  # rolled back: the loop puts its position back
+            tr.apply_rewind(rewind)
             break
         seen[tr.step] = _state(tr)
         if tr.precision.master is not None:

@@ -14,7 +14,7 @@ of the low precision while the rest stays fast.
 A plugin may also keep some layers in a precision *lower* than its autocast dtype (fp8: torchao
 ``Float8Linear``): :meth:`Precision.demotable` lists them, :meth:`Precision.demote` moves one to
 the autocast dtype (the guard's layer demotion), :meth:`Precision.probes` gives the log-step
-probes that watch them (see :class:`ampctl.train.metrics.Probe`), :meth:`Precision.restore` puts
+probes that watch them (see :class:`ampctl.protect.figures.Probe`), :meth:`Precision.restore` puts
 the demotions of a checkpoint back and :meth:`Precision.summary` names them for the run summary.
 The base has no such layers: the hooks pass through.
 
@@ -189,13 +189,13 @@ class Precision:
         self.scaler.step(optimizer)
         self.scaler.update()
         self.after_step()
-        return self.scaler.last_step_skipped_host
+        return self.scaler.last_skip_read
 
     def after_step(self) -> None:
         """After the optimizer step. Pass-through."""
 
     def probes(self) -> list[Any]:
-        """Log-step probes of this precision (:class:`ampctl.train.metrics.Probe`); none here."""
+        """Log-step probes of this precision (:class:`ampctl.protect.figures.Probe`); none here."""
         return []
 
     # ------------------------------------------------------------------ low-precision layers

@@ -4,10 +4,10 @@ rest, no loss scaling (non-finite steps are still detected and skipped, as in bf
 :meth:`FP8Precision.prepare` converts the layers that :func:`ampctl.amp.fp8.plan` allows and
 the ``exclude`` patterns (and ``fp32_modules``) leave in, and keeps the reason for every
 ``nn.Linear`` left out. The plugin watches its layers through :class:`Fp8CastProbe`, a log-step
-probe: on log steps only, the per-layer cast health of :func:`ampctl.amp.fp8.probe` rides on
+probe: on log steps only, the per-layer cast health of :func:`ampctl.amp.fp8.record_casts` rides on
 the loop's one read, goes to metrics.jsonl as the worst layer's figures, and is kept
 (:meth:`Fp8CastProbe.take_sample`) for the guard's demotion rules
-(:class:`ampctl.amp.fp8.Fp8Health`, applied by :class:`ampctl.train.protection.Protection`).
+(:class:`ampctl.amp.fp8.Fp8Health`, applied by :class:`ampctl.protect.protection.Protection`).
 On a step skipped for non-finite gradients the guard replays the step through
 :meth:`FP8Precision.replay_casts` (the same probe, once) to find the layer whose cast went
 non-finite first, and demotes it at once.
@@ -148,7 +148,7 @@ class FP8Precision(Precision):
     def replay_casts(self, model: nn.Module, run: Any) -> tuple[list[str], torch.Tensor] | None:
         if not self.demotable(model):
             return None
-        with fp8.probe(model) as p:
+        with fp8.record_casts(model) as p:
             run()
         return list(p.names), p.rows()
 
@@ -187,9 +187,9 @@ class FP8Precision(Precision):
 
 
 class Fp8CastProbe:
-    """fp8 cast health on log steps (the :class:`ampctl.train.metrics.Probe` protocol).
+    """fp8 cast health on log steps (the :class:`ampctl.protect.figures.Probe` protocol).
 
-    ``sampling(model, True)`` opens :func:`ampctl.amp.fp8.probe` on the eager model for the
+    ``sampling(model, True)`` opens :func:`ampctl.amp.fp8.record_casts` on the eager model for the
     step's forward and backward; ``figures`` adds the per-layer rows to the log read (max over
     ranks, so every rank takes the same decisions); ``row`` turns them into the worst layer's
     figures (:data:`ROW_KEYS`) and keeps the per-layer sample for :meth:`take_sample`. Nothing
@@ -197,7 +197,7 @@ class Fp8CastProbe:
     """
 
     def __init__(self) -> None:
-        self._open: fp8.Probe | None = None
+        self._open: fp8.CastRecord | None = None
         self._sample: tuple[list[str], list[list[float]]] | None = None
 
     @contextlib.contextmanager
@@ -207,7 +207,7 @@ class Fp8CastProbe:
             yield
             return
         self._sample = None
-        with fp8.probe(model, enabled=True) as p:
+        with fp8.record_casts(model, enabled=True) as p:
             self._open = p
             yield
 

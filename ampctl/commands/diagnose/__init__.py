@@ -4,7 +4,8 @@ checkpoint (ampctl, HF Trainer, Accelerate, Lightning, DCP, DeepSpeed, safetenso
 The parts, one file each:
 
 * :mod:`.readers` -- one reader per format, chosen by what is on disk; files are data
-  (``weights_only=True``, safetensors, a restricted unpickler), never code;
+  (``weights_only=True``, safetensors, an allow-list unpickler), never code, read under the
+  resource rules of :mod:`ampctl.trust` (size caps, memory estimated before allocating);
 * :mod:`.health` -- 1. state health: NaN/inf and out-of-range weights, masters and optimizer
   moments named by parameter; the loss scaler's state;
 * :mod:`.history` -- 2. what the run logged: first overflow, first NaN loss, grad-norm trend,
@@ -56,6 +57,7 @@ def run_diagnose(
     fmt: str | None = None,
     trust_code: bool = False,
     data: Path | None = None,
+    max_memory: int | None = None,
 ) -> int:
     """What ``ampctl diagnose`` does: diagnose, print (rich tables, or only JSON on stdout),
     return 0 when healthy and 1 when problems were found."""
@@ -69,6 +71,7 @@ def run_diagnose(
         fmt=fmt,
         trust_code=trust_code,
         data=data,
+        max_memory=max_memory,
     )
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, allow_nan=False) + "\n")

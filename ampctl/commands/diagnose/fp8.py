@@ -2,7 +2,7 @@
 
 The replay (:mod:`.replay`) converts the model as the run had it (the run's
 ``precision.fp8_recipe`` / ``precision.fp8_exclude``; the layers the guard had demoted stay
-demoted, from the checkpoint's precision state) and opens :func:`ampctl.amp.fp8.probe` over
+demoted, from the checkpoint's precision state) and opens :func:`ampctl.amp.fp8.record_casts` over
 its fp8 pass. This module turns the probe's rows (host numbers) into the report's ``fp8``
 section and its problems. Pure functions.
 

@@ -34,6 +34,7 @@ __all__ = [
     "foreign_history",
     "branch_of",
     "history_problems",
+    "unreadable_history",
 ]
 
 
@@ -158,6 +159,7 @@ def _empty(source: str) -> dict[str, Any]:
         "fallbacks": [],
         "aborted": None,
         "notes": [],
+        "unreadable": [],
     }
 
 
@@ -215,13 +217,22 @@ def _records(
     """Metrics rows and events up to ``step_limit``; an archived branch is preceded by the main
     line's rows up to the fork."""
     rec = RunRecord.read(run_dir, upto_step=step_limit)
-    metrics, events, notes = list(rec.metrics.rows), list(rec.events.rows), rec.notes()
+    metrics, events = list(rec.metrics.rows), list(rec.events.rows)
+    records = [rec]
     if branch is not None and branch["line"] == "archived" and branch["forked_at_step"] is not None:
         main = RunRecord.read(run_dir.parent.parent, upto_step=branch["forked_at_step"])
         metrics = main.metrics.rows + metrics
         events = [e for e in main.events.rows if e.get("kind") != "branch"] + events
-        notes += main.notes()
-    return metrics, events, notes
+        records.append(main)
+    files = [
+        (rows, path)
+        for r in records
+        for rows, path in ((r.metrics, r.layout.metrics), (r.events, r.layout.events))
+    ]
+    # lines skipped are a note; a whole file that could not be read is a finding
+    notes = [n for rows, path in files if rows.error is None and (n := rows.note(path))]
+    unreadable = [(str(path), rows.error) for rows, path in files if rows.error is not None]
+    return metrics, events, notes, unreadable
 
 
 # ---------------------------------------------------------------------------- ampctl runs
@@ -236,9 +247,9 @@ def run_history(
     checkpoint's step; all of them when ``step_limit`` is None: a folder without checkpoints).
     None when the folder has neither metrics nor events."""
     lay = RunLayout(run_dir)
-    if not lay.metrics.is_file() and not lay.events.is_file():
+    if not any(f.exists() or f.is_symlink() for f in (lay.metrics, lay.events)):
         return None
-    metrics, events, notes = _records(run_dir, step_limit, branch)
+    metrics, events, notes, unreadable = _records(run_dir, step_limit, branch)
     metrics = [r for r in metrics if _step(r) is not None]
     events = [e for e in events if _step(e) is not None]
     counts: dict[str, int] = {}
@@ -315,6 +326,7 @@ def run_history(
             None,
         ),
         notes=notes,
+        unreadable=unreadable,
     )
     _trend(out, metrics, first_nan)
     return out
@@ -433,3 +445,18 @@ def history_problems(h: dict[str, Any], scaler: dict[str, Any] | None) -> list[d
             )
         )
     return problems
+
+
+def unreadable_history(found: Any, h: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A history file that is there but could not be read is a finding, never silently absent:
+    ``history: FILE unreadable: WHY`` (a warning: the checkpoint's own state is still judged)."""
+    files = list(found.history_errors) + [tuple(u) for u in (h or {}).get("unreadable", [])]
+    return [
+        problem(
+            "unreadable_history",
+            f"history: {Path(name).name} unreadable: {why}",
+            severity="warning",
+            file=str(name),
+        )
+        for name, why in files
+    ]

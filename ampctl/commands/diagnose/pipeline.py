@@ -23,7 +23,13 @@ from . import readers
 from .common import STATE_KINDS
 from .fp8 import fp8_problems
 from .health import scaler_history_rows, state_health
-from .history import branch_of, foreign_history, history_problems, run_history
+from .history import (
+    branch_of,
+    foreign_history,
+    history_problems,
+    run_history,
+    unreadable_history,
+)
 from .readers.base import Found, ReaderError
 from .recommend import Settings, recommend, resume_command
 from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
@@ -163,6 +169,7 @@ def _replay(
     dev: torch.device,
     batches: int,
     data_file: Path | None,
+    trust_code: bool,
 ) -> dict[str, Any]:
     if any(p["kind"] in ("nonfinite_weights", "nonfinite_master") for p in problems):
         return skipped(
@@ -177,7 +184,15 @@ def _replay(
         if found.format == "ampctl":
             if cfg is None:
                 raise ReplaySkipped(cfg_reason)
-            inp = ampctl_input(found, cfg, precision=precision, device=dev, batches=batches)
+            inp = ampctl_input(
+                found,
+                cfg,
+                precision=precision,
+                device=dev,
+                batches=batches,
+                data_file=data_file,
+                trust_code=trust_code,
+            )
         elif found.model_dir is not None:
             inp = hf_input(
                 found,
@@ -219,12 +234,12 @@ def _fp8_of(rep: dict[str, Any]) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _sibling_health(found: Found) -> list[dict[str, Any]]:
+def _sibling_health(found: Found, trust_code: bool) -> list[dict[str, Any]]:
     """Health of the other checkpoints of the same run, newest first."""
     out = []
     for p in found.siblings:
         try:
-            other = readers.read(p, found.format)
+            other = readers.read(p, found.format, trust_code=trust_code)
         except (ReaderError, UsageError) as e:
             out.append(
                 {"path": str(p), "step": None, "healthy": False, "problems": [first_line(e)]}
@@ -247,22 +262,43 @@ def diagnose(
     fmt: str | None = None,
     trust_code: bool = False,
     data: str | Path | None = None,
+    max_memory: int | None = None,
 ) -> dict[str, Any]:
     """Diagnose a checkpoint file or folder of any supported format; returns the report (the
     ``--json`` content, schema in :mod:`ampctl.commands.diagnose.report`).
 
+    ``data``: what to replay instead of synthetic batches (a path the user names; one that the
+    checkpoint names is opened only with ``trust_code``). ``max_memory``: bytes the checkpoint
+    may take (default: :func:`ampctl.trust.memory_limit`).
+
     Raises :class:`UsageError` for bad input: a missing path, nothing readable, a refused pickle,
-    ``batches < 1``, an unknown ``precision``, ``device`` or ``fmt``. **Syncs** (an offline
-    tool: it reads every tensor)."""
+    a file or a memory estimate over the limits of :mod:`ampctl.trust`, ``batches < 1``, an
+    unknown ``precision``, ``device`` or ``fmt``. **Syncs** (an offline tool: it reads every
+    tensor)."""
+    from ampctl import trust
+
+    with trust.max_memory(max_memory):
+        return _diagnose(path, batches, precision, device, fmt, trust_code, data)
+
+
+def _diagnose(
+    path: str | Path,
+    batches: int,
+    precision: str | None,
+    device: str,
+    fmt: str | None,
+    trust_code: bool,
+    data: str | Path | None,
+) -> dict[str, Any]:
     dev = check_options(batches, precision, device)
     data_file = Path(data) if data is not None else None
-    if data_file is not None and not data_file.is_file():
-        raise UsageError(f"--data {str(data)!r} does not exist: give a text file")
-    found = readers.read(path, fmt)
-    if data_file is not None and found.model_dir is None:
+    if data_file is not None and not data_file.exists():
+        raise UsageError(f"--data {str(data)!r} does not exist: give a text file or folder")
+    found = readers.read(path, fmt, trust_code=trust_code)
+    if data_file is not None and found.model_dir is None and found.format != "ampctl":
         found.notes.append(
-            f"--data is used for Hugging Face checkpoints only; a {found.format} checkpoint "
-            "replays what its own config or format provides"
+            f"--data is used for Hugging Face and ampctl checkpoints; a {found.format} "
+            "checkpoint is not replayed"
         )
     replay_precision = precision or found.precision or "fp32"
     if replay_precision == "bf16" and not bf16_supported(dev):
@@ -284,6 +320,7 @@ def diagnose(
         hist = foreign_history(found.history, found.step)
     if hist is not None:
         problems += history_problems(hist, state["scaler"])
+    problems += unreadable_history(found, hist)
 
     rep = _replay(
         found,
@@ -294,6 +331,7 @@ def diagnose(
         dev=dev,
         batches=batches,
         data_file=data_file,
+        trust_code=trust_code,
     )
     fp8_section = _fp8_of(rep)
     if rep["ran"]:
@@ -325,7 +363,7 @@ def diagnose(
                 "problems": own_bad,
             }
         )
-    checkpoints += _sibling_health(found)
+    checkpoints += _sibling_health(found, trust_code)
     healthy = [c["path"] for c in checkpoints if c["healthy"]]
     resume_ck = healthy[0] if healthy else None
     command = resume_command(terms, resume_ck, recs, len(checkpoints))

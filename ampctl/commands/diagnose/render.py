@@ -143,11 +143,15 @@ def _scaler(sc: dict[str, Any] | None, console: Any) -> None:
     _say(console, ", ".join(parts))
 
 
-def _history(h: dict[str, Any] | None, console: Any) -> None:
+def _history(h: dict[str, Any] | None, console: Any, unreadable: list[str]) -> None:
     from rich.table import Table
 
     if h is None:
-        _say(console, "2. History: none kept beside this checkpoint", "dim")
+        if unreadable:
+            for line in unreadable:
+                _say(console, f"2. History: {line.removeprefix('history: ')}", "yellow")
+        else:
+            _say(console, "2. History: none kept beside this checkpoint", "dim")
         return
     t = Table(
         title=f"2. History ({h['source']})",
@@ -206,6 +210,8 @@ def _history(h: dict[str, Any] | None, console: Any) -> None:
         )
     console.print(t)
     _rows(h, console)
+    for line in unreadable:
+        _say(console, line, "yellow")
     for n in h["notes"]:
         _say(console, f"note: {n}", "dim")
 
@@ -451,7 +457,8 @@ def render(report: dict[str, Any], console: Any) -> None:
     """Print the report as rich tables."""
     _header(report, console)
     _state(report["state"], console)
-    _history(report["history"], console)
+    unreadable = [p["message"] for p in report["problems"] if p["kind"] == "unreadable_history"]
+    _history(report["history"], console, unreadable)
     _replay(report["replay"], console)
     _fp8(report.get("fp8"), console)
     _verdict(report, console)

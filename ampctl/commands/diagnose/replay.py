@@ -167,7 +167,7 @@ def _params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _loss(model: nn.Module, b: dict[str, torch.Tensor], autocast: Any, out: list, accum: int):
-    from ampctl.train.builders import extract_loss
+    from ampctl.protect.loss import extract_loss
 
     with autocast():
         o = model(**b)
@@ -256,13 +256,13 @@ def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> dict
 
 @contextlib.contextmanager
 def _fp8_probe(inp: ReplayInput, policy: PrecisionPolicy) -> Iterator[Any]:
-    """:func:`ampctl.amp.fp8.probe` over the fp8 pass (None for other precisions)."""
+    """:func:`ampctl.amp.fp8.record_casts` over the fp8 pass (None for other precisions)."""
     if policy.name != "fp8":
         yield None
         return
     from ampctl.amp import fp8
 
-    with fp8.probe(inp.model) as p:
+    with fp8.record_casts(inp.model) as p:
         yield p
 
 
@@ -452,17 +452,67 @@ def replay_scale(scaler: dict[str, Any] | None, precision: str, fallback: float)
     return float(scale) if finite(scale) and scale > 0 else float(fallback)
 
 
+def _first_int(node: Any, *keys: str) -> int | None:
+    get = node.get if isinstance(node, dict) else lambda k: getattr(node, k, None)
+    for k in keys:
+        v = get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def activation_bytes(model_cfg: Any, batch: int, seq: int) -> int:
+    """A rough upper estimate of one replay pass's activations for a transformer
+    (Korthikanti et al.: ~34 bytes per token, hidden unit and layer in half precision, here
+    in fp32 and with margin, plus the attention scores); 0 when the config names no width or
+    depth."""
+    hidden = _first_int(model_cfg, "hidden_size", "d_model", "n_embd", "dim")
+    layers = _first_int(model_cfg, "num_layers", "num_hidden_layers", "n_layer", "n_layers")
+    if hidden is None or layers is None:
+        return 0
+    heads = _first_int(model_cfg, "num_heads", "num_attention_heads", "n_head") or 1
+    tokens = batch * seq
+    return layers * (tokens * hidden * 80 + heads * tokens * seq * 12)
+
+
+def _checked_model(build: Any, state: dict[str, Any], what: str, **kw: Any) -> None:
+    """:func:`ampctl.trust.check_model_fits` before the real build: a model whose dimensions
+    do not match the checkpoint's tensors, or that needs more memory than allowed, is not
+    built (the replay is skipped with the reason)."""
+    from ampctl.trust import ResourceRefused, check_model_fits
+
+    try:
+        check_model_fits(build, state, source=what, **kw)
+    except ResourceRefused as e:
+        raise ReplaySkipped(str(e)) from None
+
+
 def ampctl_input(
-    found: Any, cfg: Any, *, precision: str, device: torch.device, batches: int
+    found: Any,
+    cfg: Any,
+    *,
+    precision: str,
+    device: torch.device,
+    batches: int,
+    data_file: Path | None = None,
+    trust_code: bool = False,
 ) -> ReplayInput:
-    """An ampctl checkpoint's replay: model and data from its (trusted) config."""
+    """An ampctl checkpoint's replay: model and data from its (trusted) config. The model's
+    dimensions are checked against the checkpoint's tensors and its memory estimated before it
+    is built; a path the config names for data is opened only with ``trust_code`` (else
+    ``data_file``, the user's, or synthetic batches of the run's shape)."""
     from ampctl.errors import UsageError
-    from ampctl.train.builders import build_data_source, build_model
+    from ampctl.train.builders import build_model
 
     ck = found.raw
+    d = cfg.data
+    extra = activation_bytes(cfg.model, d.batch_size, d.seq_len)
+    _checked_model(
+        lambda: build_model(cfg.model), ck["model"], f"the checkpoint {found.path}", extra=extra
+    )
     try:
         with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the RNG alone
-            model = build_model(cfg)
+            model = build_model(cfg.model)
         model.load_state_dict(ck["model"])
     except (UsageError, RuntimeError) as e:
         raise ReplaySkipped(
@@ -479,10 +529,7 @@ def ampctl_input(
             for p, m in zip(params, ck["master"], strict=True):
                 p.copy_(m)
     model.to(device).train()
-    try:
-        data = build_data_source(cfg)
-    except (UsageError, ValueError) as e:
-        raise ReplaySkipped(f"the data cannot be rebuilt: {first_line(e)}") from None
+    data, label = replay_data(cfg, data_file, trust_code)
     start = int((ck.get("data") or {}).get("position", 0))
     positions = [start + i for i in range(batches)]
     sc = ck.get("scaler") if isinstance(ck.get("scaler"), dict) else {}
@@ -499,11 +546,60 @@ def ampctl_input(
         seed=int(cfg.trainer.seed),
         fp32_modules=list(cfg.precision.fp32_modules),
         exempt=list(found.fp32_modules),
+        data=label,
         options=cfg.precision.options(),
         precision_state=ck.get("precision") if isinstance(ck.get("precision"), dict) else None,
         fp8_sat_threshold=float(cfg.guard.fp8_sat_threshold),
         fp8_under_threshold=float(cfg.guard.fp8_under_threshold),
     )
+
+
+def _source(cfg: Any) -> Any:
+    from ampctl.train.builders import build_data_source
+
+    return build_data_source(cfg.data, model=cfg.model, seed=cfg.trainer.seed)
+
+
+def replay_data(cfg: Any, data_file: Path | None, trust_code: bool) -> tuple[Any, str]:
+    """The data source of an ampctl replay and how the report names it. A checkpoint's config
+    is data: the paths it names (``data.path``, ``data.tokenizer``, ``data.cache_dir``) are
+    opened only with ``trust_code``. Otherwise ``data_file`` (``--data``, the user's) replaces
+    ``data.path`` of a ``data=text`` run, and anything else replays synthetic batches of the
+    run's shape (batch size, sequence length, ids within the model's vocabulary)."""
+    from ampctl.config import ConfigError, with_changes
+    from ampctl.errors import UsageError
+    from ampctl.train.data import DataError
+
+    d = cfg.data
+    named = [f"{k}={v!r}" for k, v in (("data.path", d.path), ("data.tokenizer", d.tokenizer),
+                                          ("data.cache_dir", d.cache_dir)) if v]  # fmt: skip
+    label = "the run's next batches"
+    vocab = _first_int(cfg.model, "vocab_size") or d.vocab_size
+    try:
+        if d.kind == "synthetic" or trust_code:
+            if named:
+                label += f" ({', '.join(named)}, opened as --trust-code allows)"
+            return _source(cfg), label
+        if data_file is not None and d.kind == "text":
+            if vocab < d.vocab_size:
+                raise ReplaySkipped(
+                    f"--data {data_file}: data=text gives byte-level ids up to {d.vocab_size - 1}, "
+                    f"beyond the model's vocab_size {vocab}"
+                )
+            return _source(with_changes(cfg, data={"path": str(data_file)})), (
+                f"{data_file} (--data) in the run's batch shape"
+            )
+        why = f"the checkpoint's config names {', '.join(named)}"
+        if data_file is not None:
+            why += f"; --data replaces data.path of data=text runs only (this is data={d.kind})"
+        synthetic = {"kind": "synthetic", "path": None, "tokenizer": None, "vocab_size": vocab}
+        return _source(with_changes(cfg, data=synthetic)), (
+            f"synthetic batches of the run's shape ({d.batch_size} x {d.seq_len} tokens, ids below "
+            f"{vocab}), not the run's data: {why}, and a checkpoint is data, so no path it names "
+            "is opened; pass --data PATH to replay your own text, or --trust-code"
+        )
+    except (UsageError, ConfigError, DataError, ValueError) as e:
+        raise ReplaySkipped(f"the data cannot be rebuilt: {first_line(e)}") from None
 
 
 def hf_input(
@@ -526,11 +622,31 @@ def hf_input(
         raise ReplaySkipped(
             "rebuilding a Hugging Face model needs transformers: pip install transformers"
         ) from None
+    from ampctl.trust import FileRefused, read_bounded
+
     try:
+        read_bounded(found.model_dir / "config.json")  # under the size cap before transformers
         config = AutoConfig.from_pretrained(
             str(found.model_dir), trust_remote_code=False, local_files_only=True
         )
         cls = auto_class_for(config)
+    except FileRefused as e:
+        raise ReplaySkipped(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - remote code refused, unknown model type ...
+        raise ReplaySkipped(
+            f"the model cannot be rebuilt from config.json without running code from the "
+            f"folder (trust_remote_code=False): {first_line(e)}"
+        ) from None
+    # weights the folder lacks are checked after loading (tied ones may be absent); the size
+    # of every tensor config.json asks for is checked here
+    _checked_model(
+        lambda: cls.from_config(config, trust_remote_code=False),
+        found.weights,
+        f"the checkpoint {found.path} (config.json)",
+        extra=activation_bytes(config, _BATCH, _SEQ),
+        may_lack=lambda _k: True,
+    )
+    try:
         with torch.random.fork_rng(devices=[]):
             model = cls.from_config(config, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - remote code refused, unknown model type ...

@@ -44,6 +44,8 @@ value a format does not record is ``null`` ("unknown"), never 0::
         "promotions": [module], "fallbacks": [{"step", "from", "to"}],
         "aborted": {"step", "message"} | null,           # the guard's abort event
         "notes": [str],
+        "unreadable": [[file, why]],                     # metrics/events that are there
+                                                         # but could not be read
         "columns": {role: column}                        # other tools' logs only
       },
       "replay": {                                        # skipped: ran, reason, precision, device
@@ -95,6 +97,8 @@ BadTensor: ``{"name", "param", "key", "nan", "posinf", "neginf", "above_limit", 
 Problem kinds: ``bad_scale``, ``scale_collapsed``, ``nonfinite_weights``, ``extreme_weights``,
 ``nonfinite_master``, ``extreme_master``, ``nonfinite_optimizer_state``,
 ``extreme_optimizer_state``, ``scale_at_floor``, ``refused_file``, ``unreadable_file``,
+``unreadable_history`` (a warning: ``history: FILE unreadable: WHY``, a history file that is
+there but over the size cap, a symlink out of its folder, not JSON, nested too deeply ...),
 ``nan_loss``, ``nonfinite_grad_norm``, ``grad_norm_explosion``, ``overflow_after_growth``,
 ``forward_overflow``, ``forward_nonfinite_fp32``, ``nonfinite_loss``, ``backward_overflow``,
 ``gradient_underflow``, ``activation_headroom``, ``run_aborted``, ``fp8_nonfinite`` (an fp8 cast

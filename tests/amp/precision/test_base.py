@@ -215,7 +215,7 @@ def test_hooks_scale_unscale_and_step_through_the_scaler():
     torch.testing.assert_close(net.weight.grad, ref.weight.grad)
     assert p.optimizer_step(opt) is False
     assert not torch.equal(net.weight, ref.weight)
-    assert p.scaler.num_steps == 1
+    assert p.scaler.num_updates == 1
     p.zero_grad()  # pass-through: the gradients stay
     assert net.weight.grad is not None
     opt.zero_grad()

@@ -17,7 +17,7 @@ from ampctl.amp.guard import next_precision  # noqa: E402
 from ampctl.amp.precision.fp8 import FP8Precision, worst_layer  # noqa: E402
 from ampctl.cli import app  # noqa: E402
 from ampctl.config import ConfigError, load_config  # noqa: E402
-from ampctl.train.protection import Protection  # noqa: E402
+from ampctl.protect.protection import Protection  # noqa: E402
 from tests.conftest import FAST  # noqa: E402
 
 

@@ -26,10 +26,10 @@ from ampctl.commands.diagnose import (
     run_diagnose,
 )
 from ampctl.config import load_config
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import FORMAT, latest_checkpoint, list_checkpoints
 from ampctl.train.data import IGNORE_INDEX, PAD_ID
 from ampctl.train.models import BertForMaskedLM
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST
 
@@ -572,13 +572,13 @@ def _bad_inputs(tmp: Path, base_run: Path) -> dict[str, tuple[Path, str]]:
         "no checkpoint": (empty_dir, "holds no checkpoint diagnose can read"),
         "empty": (tmp / "empty.pt", "is empty (0 bytes)"),
         "truncated": (tmp / "truncated.pt", "is not a readable checkpoint"),
-        "text": (tmp / "notes.txt", "is not a readable checkpoint"),
+        "text": (tmp / "notes.txt", "holds text ('this is not a checkpoint'), not a checkpoint"),
         "incomplete": (
             tmp / "incomplete.pt",
             "lacks model, config: not a complete ampctl checkpoint",
         ),
         "payload": (tmp / "payload.pt", "was refused"),
-        "raw pickle": (tmp / "raw.pkl", ""),
+        "raw pickle": (tmp / "raw.pkl", "was refused: it is a raw pickle, not a file torch.save"),
     }
 
 

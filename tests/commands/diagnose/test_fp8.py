@@ -16,8 +16,8 @@ pytest.importorskip("torchao.float8")
 
 from ampctl.amp import fp8  # noqa: E402
 from ampctl.config import load_config  # noqa: E402
+from ampctl.runlog.writers import new_run_dir  # noqa: E402
 from ampctl.train.checkpoint import latest_checkpoint  # noqa: E402
-from ampctl.train.run import new_run_dir  # noqa: E402
 from ampctl.train.trainer import Trainer  # noqa: E402
 from tests.conftest import FAST  # noqa: E402
 

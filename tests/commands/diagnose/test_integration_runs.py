@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from ampctl.amp import LossScaler
 from ampctl.cli import app
-from ampctl.integrations import ProtectedRun
-from ampctl.integrations.run import TrainAborted
+from ampctl.integrations import LoopInfo, ProtectedRun
+from ampctl.protect.protection import TrainAborted
 from ampctl.runlog import RunLayout
 from ampctl.train.checkpoint import save_checkpoint
 from ampctl.train.data import SyntheticMLM
@@ -38,7 +38,7 @@ def _loop(run_dir: Path, *, guard=None, config=None, save_at: int | None = None)
     planted = model.bert.encoder.layer[0].output.dense.weight
     with ProtectedRun(
         model, opt, scaler, run_dir=run_dir, max_steps=STEPS, log_every=2, display=None,
-        guard=guard, config=config,
+        guard=guard, loop=LoopInfo(config=config or {}),
     ) as run:  # fmt: skip
         for step in range(1, STEPS + 1):
             batch = data.next_batch()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ampctl.commands.diagnose import diagnose
-from ampctl.train.run import new_run_dir
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST
 

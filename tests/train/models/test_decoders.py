@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from ampctl.config import load_config
+from ampctl.runlog.writers import new_run_dir
 from ampctl.train.builders import build_model, data_objective
 from ampctl.train.checkpoint import load_checkpoint
 from ampctl.train.models.causal import CausalLMOutput
 from ampctl.train.models.gpt2 import GPT2LMHeadModel
 from ampctl.train.models.llama import LlamaForCausalLM
-from ampctl.train.run import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST, read_jsonl
 
@@ -30,6 +30,10 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _objective(cfg) -> str:
+    return data_objective(cfg.data, cfg.model)
 
 
 def gpt2(**kw: object) -> GPT2LMHeadModel:
@@ -297,10 +301,10 @@ def test_bad_inputs_are_reported() -> None:
 def test_large_presets_build_lazily_on_the_meta_device(preset: str, params: int) -> None:
     cfg = load_config([f"conf={preset}"])
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg.model)
     unique = {id(p): p for p in model.parameters()}.values()
     assert sum(p.numel() for p in unique) == params  # HF's gpt2 / Llama 3.2 1B count
-    assert data_objective(cfg) == "causal"
+    assert data_objective(cfg.data, cfg.model) == "causal"
 
 
 def test_preset_precision_defaults_and_command_line_wins() -> None:
@@ -315,12 +319,12 @@ def test_preset_precision_defaults_and_command_line_wins() -> None:
 
 
 def test_objective_auto_follows_the_model_name() -> None:
-    assert data_objective(load_config([])) == "mlm"
-    assert data_objective(load_config(["model=gpt2_tiny"])) == "causal"
-    assert data_objective(load_config(["model=llama_tiny"])) == "causal"
+    assert _objective(load_config([])) == "mlm"
+    assert _objective(load_config(["model=gpt2_tiny"])) == "causal"
+    assert _objective(load_config(["model=llama_tiny"])) == "causal"
     hf = load_config(["model._target_=transformers.GPT2LMHeadModel"])
-    assert data_objective(hf) == "causal"
-    assert data_objective(load_config(["model=gpt2_tiny", "data.objective=mlm"])) == "mlm"
+    assert data_objective(hf.data, hf.model) == "causal"
+    assert _objective(load_config(["model=gpt2_tiny", "data.objective=mlm"])) == "mlm"
 
 
 # ----------------------------------------------------------------------- training

@@ -49,34 +49,40 @@ FORMATS = (
 _FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".pickle")
 
 
-def read(path: str | Path, fmt: str | None = None) -> Found:
+def read(path: str | Path, fmt: str | None = None, *, trust_code: bool = False) -> Found:
     """Read a checkpoint file or folder. Raises :class:`ReaderError` (a ``UsageError``) for a
-    path that holds nothing diagnose reads, a refused pickle, or an unknown ``fmt``."""
+    path that holds nothing diagnose reads, a refused pickle, or an unknown ``fmt``, and the
+    resource refusals of :mod:`ampctl.trust`. ``trust_code``: read what is pickled by design
+    where a format keeps state that way (DCP's non-tensor values)."""
     p = Path(path)
     if fmt is not None and fmt not in FORMATS:
         raise ReaderError(f"--format {fmt!r} is not allowed: use one of {', '.join(FORMATS)}")
     if not p.exists():
         raise ReaderError(f"{str(p)!r} does not exist: give a checkpoint file or folder")
     if fmt is not None:
-        return _forced(p, fmt)
+        return _forced(p, fmt, trust_code)
     if p.is_dir():
-        return _folder(p)
+        return _folder(p, trust_code)
     return _file(p)
 
 
-def _forced(p: Path, fmt: str) -> Found:
+def _read_with(module, p: Path, trust_code: bool) -> Found:
+    return module.read(p, trust_code=trust_code) if module is dcp else module.read(p)
+
+
+def _forced(p: Path, fmt: str, trust_code: bool) -> Found:
     if fmt == plain.SAFETENSORS:
         return plain.read_safetensors(p)
     if fmt == plain.STATE_DICT:
         return plain.from_object(load_torch(p), p)
     module = dict(_FOLDERS)[fmt]
-    return module.read(p)
+    return _read_with(module, p, trust_code)
 
 
-def _folder(p: Path) -> Found:
+def _folder(p: Path, trust_code: bool) -> Found:
     for _name, module in _FOLDERS:
         if module.claims(p):
-            return module.read(p)
+            return _read_with(module, p, trust_code)
     files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in _FILE_SUFFIXES)
     if len(files) == 1:
         return _file(files[0])

@@ -18,7 +18,7 @@ import torch
 
 from ampctl.runlog import RunLayout, RunRecord, is_run_dir
 from ampctl.runlog.layout import CHECKPOINT_NAME, list_checkpoints
-from ampctl.runlog.readers import read_config_text
+from ampctl.runlog.readers import load_config_text
 
 from . import plain
 from .base import Found, ReaderError, load_torch
@@ -76,16 +76,20 @@ def _has_checkpoint(path: Path) -> bool:
 
 
 def _run_config(run_dir: Path | None) -> dict[str, Any] | None:
-    """The run folder's ``config.yaml`` as plain data (never resolved)."""
-    if run_dir is None or not RunLayout(run_dir).config.is_file():
+    """The run folder's ``config.yaml`` as plain data (never resolved). One that is there but
+    unreadable (a YAML tag, not YAML, over the size cap) is bad input: ``RunFileError``."""
+    if run_dir is None:
         return None
-    return read_config_text(RunLayout(run_dir).config)
+    path = RunLayout(run_dir).config
+    if not path.exists() and not path.is_symlink():
+        return None
+    return load_config_text(path)
 
 
 def _history_only(run_dir: Path) -> Found:
     """A run folder without checkpoints (e.g. written by ampctl.integrations.ProtectedRun):
     its records only; the precision from its config.yaml or summary.json."""
-    rec = RunRecord.read(run_dir)
+    rec = RunRecord.read(run_dir, strict=True)
     cfg = rec.config or {}
     prec = cfg.get("precision")
     name = prec.get("name") if isinstance(prec, dict) else None

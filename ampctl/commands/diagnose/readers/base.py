@@ -1,10 +1,14 @@
 """What every reader returns, and the only ways a reader may open a file.
 
-A checkpoint from elsewhere is data. Files are opened with
+A checkpoint from elsewhere is data. Files are opened under the resource rules of
+:mod:`ampctl.trust` (regular files only, no symlink out of its folder, sizes read from headers
+and checked against the memory limit before anything is allocated) with
 
-* :func:`load_torch`: ``torch.load(..., weights_only=True)``; a file holding pickled objects
-  beyond tensors and plain containers is refused (:class:`PickleRefused`, naming the first
-  class it asked for, found by scanning the pickle's opcodes, never by running them);
+* :func:`load_torch`: ``torch.load(..., weights_only=True)`` of a file that is a ``torch.save``
+  zip archive or legacy file (told by its first bytes: a raw pickle, text or other bytes are
+  named as such); a file holding pickled objects beyond tensors and plain containers is refused
+  (:class:`PickleRefused`, naming the first class it asked for, found by scanning the pickle's
+  opcodes, never by running them);
 * :func:`load_safetensors`: the ``safetensors`` library (no pickle at all);
 * :func:`load_restricted`: ``torch.load(weights_only=True)`` with a short allowlist of inert
   stand-ins for the named data classes of one library (DeepSpeed's loss scaler and ZeRO stage
@@ -26,6 +30,14 @@ from typing import Any
 import torch
 
 from ampctl.errors import UsageError, first_line
+from ampctl.trust import (
+    MAX_DEPTH,
+    FileRefused,
+    check_memory,
+    checked_file,
+    human_size,
+    torch_file_sizes,
+)
 
 __all__ = [
     "Found",
@@ -60,12 +72,22 @@ class NotACheckpoint(ReaderError):
 class PickleRefused(ReaderError):
     """A file that holds pickled objects beyond tensors and plain containers."""
 
-    def __init__(self, path: Path, classes: list[str]) -> None:
+    def __init__(
+        self, path: Path, classes: list[str], *, raw: bool = False, allowed: str | None = None
+    ) -> None:
         named = f" ({', '.join(classes[:3])})" if classes else ""
+        what = (
+            f"it names {', '.join(classes[:3])}, which is not one of {allowed}"
+            if allowed
+            else "it is a raw pickle, not a file torch.save wrote"
+            + (f", and names {', '.join(classes[:3])}" if classes else "")
+            if raw
+            else f"it holds pickled objects beyond tensors and plain containers{named}"
+        )
+        how = "an allow-list unpickler" if allowed else "weights_only=True"
         super().__init__(
-            f"{str(path)!r} was refused: it holds pickled objects beyond tensors and plain "
-            f"containers{named}; code could run on load, and diagnose reads files with "
-            "weights_only=True only"
+            f"{str(path)!r} was refused: {what}; code could run on load, and diagnose reads "
+            f"it with {how} only"
         )
         self.path = path
         self.classes = classes
@@ -126,6 +148,8 @@ class Found:
     config: dict[str, Any] | None = None  # an ampctl checkpoint's saved config (data)
     model_dir: Path | None = None  # a Hugging Face folder with config.json (for the replay)
     history: ForeignHistory | None = None
+    #: history files that are there but could not be read: ``(file name, why)``
+    history_errors: list[tuple[str, str]] = field(default_factory=list)
     run_dir: Path | None = None  # an ampctl run folder
     run_config: dict[str, Any] | None = None  # its config.yaml (data) when no config is saved
     files: list[FileNote] = field(default_factory=list)
@@ -147,17 +171,26 @@ def is_pickled_by_design(name: str) -> bool:
 
 
 def float_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Floating tensors of a nested dict/list, keyed by dotted path."""
+    """Floating tensors of a nested dict/list, keyed by dotted path. Each container is walked
+    once (one reached again through a shared reference is not walked again: its tensors keep
+    their first path), without recursion; one nested deeper than ``MAX_DEPTH`` is refused."""
     out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(float_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            out.update(float_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
+    seen: set[int] = set()
+    stack: list[tuple[str, Any, int]] = [(prefix, obj, 0)]
+    while stack:
+        key, node, depth = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if node.is_floating_point():
+                out[key] = node
+            continue
+        if not isinstance(node, dict | list | tuple) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if depth >= MAX_DEPTH:
+            raise ReaderError(f"{key or 'the state'}: nested deeper than {MAX_DEPTH} levels")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        children = [(f"{key}.{k}" if key else str(k), v, depth + 1) for k, v in items]
+        stack.extend(reversed(children))
     return out
 
 
@@ -213,28 +246,63 @@ def pickle_globals(path: str | Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- loading
+_ZIP = b"PK\x03\x04"
+_LEGACY = b"\x80\x02\x8a\x0a"  # a legacy torch.save file opens with its pickled magic number
+
+
+def _not_torch(p: Path, head: bytes) -> ReaderError | None:
+    """Why a file is not one torch.save wrote, told by its first bytes (None: it may be)."""
+    if head.startswith((_ZIP, _LEGACY)):
+        return None
+    if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
+        return PickleRefused(p, pickle_globals(p), raw=True)
+    text = head.decode("utf-8", errors="replace")
+    if text.count("\ufffd") <= 1 and all(c.isprintable() or c.isspace() for c in text):
+        shown = " ".join(text.split())[:40]
+        return NotACheckpoint(
+            f"{str(p)!r} holds text ({shown!r}), not a checkpoint: diagnose reads files that "
+            "torch.save or safetensors wrote, and checkpoint folders"
+        )
+    return NotACheckpoint(
+        f"{str(p)!r} is not a checkpoint: it starts with the bytes {head[:8].hex(' ')}, not a "
+        "torch.save zip archive or pickle"
+    )
+
+
 def load_torch(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU. Raises :class:`PickleRefused` for a
-    file with pickled objects and :class:`ReaderError` for an empty, truncated or foreign one."""
+    """``torch.load(path, weights_only=True)`` on the CPU, after the file's kind is told from
+    its first bytes and what it will allocate is checked against the memory limit. Raises
+    :class:`PickleRefused` for a file with pickled objects (or a raw pickle),
+    :class:`NotACheckpoint` for text or foreign bytes, :class:`ReaderError` for an empty,
+    truncated or corrupt one, and :class:`~ampctl.trust.FileRefused` /
+    :class:`~ampctl.trust.ResourceRefused` under the resource rules."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists() and not p.is_symlink():
         raise ReaderError(f"{str(p)!r} does not exist: give a checkpoint file or folder")
-    if p.stat().st_size == 0:
+    if checked_file(p).st_size == 0:
         raise ReaderError(f"{str(p)!r} is empty (0 bytes): not a checkpoint")
+    with open(p, "rb") as f:
+        head = f.read(256)
+    refused = _not_torch(p, head)
+    if refused is not None:
+        raise refused
+    total, largest = torch_file_sizes(p)
+    # loading holds every storage; checking one takes about three times the largest again
+    check_memory(total + 3 * largest, what=f"{str(p)!r} ({human_size(total)} of tensors)")
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line
         text = str(e)
         if "Unsupported global" in text or "GLOBAL" in text or "Unsupported class" in text:
             raise PickleRefused(p, pickle_globals(p)) from None
+        if isinstance(e, MemoryError | RecursionError):
+            why = "out of memory" if isinstance(e, MemoryError) else "nested too deeply"
+            raise ReaderError(f"{str(p)!r} could not be loaded: {why}") from None
         first = first_line(e)
+        if "Weights only load failed" in first or "Unsupported operand" in text:
+            first = "not data that torch.load(weights_only=True) accepts"
         raise ReaderError(
-            f"{str(p)!r} is not a readable checkpoint (truncated or corrupt?): "
-            + (
-                "not data that torch.load(weights_only=True) accepts"
-                if "Weights only load failed" in first
-                else first
-            )
+            f"{str(p)!r} is not a readable checkpoint (truncated or corrupt?): {first}"
         ) from None
 
 
@@ -248,7 +316,7 @@ def load_noting(found: Found, path: Path) -> Any:
         found.problems.append(
             {"kind": "refused_file", "severity": "error", "message": str(e), "file": path.name}
         )
-    except ReaderError as e:
+    except (ReaderError, FileRefused) as e:
         found.files.append(FileNote(path.name, False, f"unreadable: {first_line(e)}"))
         found.problems.append(
             {"kind": "unreadable_file", "severity": "error", "message": str(e), "file": path.name}
@@ -256,8 +324,58 @@ def load_noting(found: Found, path: Path) -> Any:
     return None
 
 
+_ST_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+_ST_MAX_HEADER = 100 << 20  # the safetensors format's own limit
+
+
+def safetensors_sizes(path: str | Path) -> tuple[int, int]:
+    """``(bytes, largest)`` of the tensors a ``.safetensors`` file declares, from its header
+    (read alone, bounded). Raises :class:`~ampctl.trust.FileRefused` for a header that is not
+    the format's, or that declares a tensor larger than the file holds."""
+    import json
+    import math
+
+    p = Path(path)
+    size = checked_file(p).st_size
+    with open(p, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > _ST_MAX_HEADER or 8 + n > size:
+            raise FileRefused(p, "has no safetensors header (its length field does not fit)")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError):
+            raise FileRefused(p, "its safetensors header is not valid JSON") from None
+    data = size - 8 - n
+    total = largest = 0
+    for name, t in header.items() if isinstance(header, dict) else ():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in t["data_offsets"])
+            need = math.prod(int(d) for d in t["shape"]) * _ST_DTYPE_BYTES.get(t["dtype"], 1)
+        except (KeyError, TypeError, ValueError):
+            raise FileRefused(p, f"its safetensors header entry {name!r} is malformed") from None
+        if end > data or begin < 0 or end - begin < need:
+            raise FileRefused(
+                p,
+                f"tensor {name!r} declares {human_size(max(need, end - begin))} of data, but the "
+                f"file holds {human_size(data)} after its header (a tensor header larger than "
+                "the file): not read",
+            )
+        total += need
+        largest = max(largest, need)
+    return total, largest
+
+
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """A ``.safetensors`` file through the ``safetensors`` library (never ``torch.load``)."""
+    """A ``.safetensors`` file through the ``safetensors`` library (never ``torch.load``),
+    after its header is checked against the file's size and the memory limit."""
+    total, largest = safetensors_sizes(path)
+    check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
     try:
         from safetensors.torch import load_file
     except ImportError:

@@ -1,10 +1,22 @@
 """torch.distributed.checkpoint folders (``.metadata`` + ``*.distcp``; torchtitan, FSDP2 and
 ``dcp.save`` write them), read on one process into memory with no process group.
 
-DCP's own reader unpickles ``.metadata`` with plain ``pickle.load`` (code in the file would run);
-here it is read by an unpickler that accepts only DCP's metadata classes, torch sizes and dtypes
-and paths, and refuses anything else. Tensor data is read by DCP (raw storage bytes; other
-values with ``weights_only=True``).
+DCP's own reader unpickles ``.metadata`` with plain ``pickle.load`` and every non-tensor value
+with ``torch.load(weights_only=False)``: code in the folder would run. Here:
+
+* ``.metadata`` (read whole, under the size cap) is unpickled by :class:`AllowListUnpickler`,
+  whose only way to a global is a lookup of the exact ``module.name`` in an allow-list of
+  classes (:data:`METADATA_GLOBALS`: DCP's metadata classes, ``torch.Size``, the dtypes,
+  layouts, paths), as torch's own ``weights_only`` unpickler looks names up in the list given to
+  ``torch.serialization.safe_globals``; nothing is imported and no attribute is looked up, so a
+  protocol-4 dotted name (``torch.distributed.checkpoint.metadata`` + ``os.system``) reaches
+  nothing. torch's unpickler itself reads protocol 2 only; DCP writes protocol 4.
+* the metadata is checked before anything is read or allocated: every record names a file of
+  this folder and lies inside it, and the tensors' bytes fit the memory limit;
+* tensors are read by DCP (each chunk with ``torch.load(weights_only=True)``) into tensors
+  allocated here from the metadata; non-tensor values (``BYTE_IO``: torchtitan's train state,
+  optimizer hyperparameters) are pickled Python objects and are listed as not read unless
+  ``--trust-code``, when DCP's own loader reads them.
 
 The state is usually ``{"model": ..., "optimizer"/"optim": ..., "step"/"train_state": ...}``;
 optimizer state written by ``get_state_dict`` is keyed by parameter name, so it is named exactly.
@@ -12,6 +24,10 @@ optimizer state written by ``get_state_dict`` is keyed by parameter name, so it 
 
 from __future__ import annotations
 
+import collections
+import io
+import math
+import pathlib
 import pickle
 import re
 from pathlib import Path
@@ -20,54 +36,186 @@ from typing import Any
 import torch
 
 from ampctl.errors import first_line
+from ampctl.trust import FileRefused, check_memory, checked_file, human_size, read_bounded
 
 from .base import FileNote, Found, NotACheckpoint, PickleRefused, ReaderError, float_tensors
 from .plain import MODEL_KEYS, OPTIMIZER_KEYS, STEP_KEYS, is_optimizer_state
 
-__all__ = ["FORMAT_NAME", "claims", "read", "SafeMetadataUnpickler"]
+__all__ = ["FORMAT_NAME", "claims", "read", "AllowListUnpickler", "metadata_globals"]
 
 FORMAT_NAME = "dcp"
 _STEP = re.compile(r"^step-(\d+)$")
 METADATA = ".metadata"
 
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
+
+def metadata_globals() -> list[tuple[Any, str]]:
+    """The classes and functions a DCP ``.metadata`` pickle may name, as ``(object, full
+    name)`` pairs (the form ``torch.serialization.safe_globals`` takes)."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    dcp = "torch.distributed.checkpoint"
+    classes = [
+        md.Metadata,
+        md.TensorStorageMetadata,
+        md.BytesStorageMetadata,
+        md.ChunkStorageMetadata,
+        md.TensorProperties,
+        md.MetadataIndex,
+        md.StorageMeta,
+        md._MEM_FORMAT_ENCODING,
+    ]
+    out = [(c, f"{dcp}.metadata.{c.__name__}") for c in classes]
+    out += [
+        (_StorageInfo, f"{dcp}.filesystem._StorageInfo"),
+        (torch.Size, "torch.Size"),
+        (torch.serialization._get_layout, "torch.serialization._get_layout"),
+        (pathlib.PosixPath, "pathlib.PosixPath"),
+        (pathlib.PurePosixPath, "pathlib.PurePosixPath"),
+        (pathlib.PureWindowsPath, "pathlib.PureWindowsPath"),
+        (collections.OrderedDict, "collections.OrderedDict"),
+    ]
+    out += [(v, f"torch.{k}") for k, v in vars(torch).items() if isinstance(v, torch.dtype)]
+    return out
 
 
-class SafeMetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: DCP's metadata classes, ``torch.Size``, dtypes, paths only."""
+class AllowListUnpickler(pickle.Unpickler):
+    """An unpickler (any protocol) that reaches a global only by looking its exact
+    ``module.name`` up in ``allowed`` (``(object, full name)`` pairs): no import, no attribute
+    lookup, so a dotted name cannot walk from an allowed module to anything it imported."""
+
+    def __init__(self, file: Any, allowed: list[tuple[Any, str]]) -> None:
+        super().__init__(file)
+        self._allowed = {name: obj for obj, name in allowed}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in ("torch.distributed.checkpoint.metadata",) or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        full = f"{module}.{name}"
+        if full in self._allowed:
+            return self._allowed[full]
+        raise pickle.UnpicklingError(full)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id (not DCP metadata)")
 
 
 def claims(path: Path) -> bool:
     return path.is_dir() and (path / METADATA).is_file()
 
 
-def _reader_class() -> type:
+def read_metadata(path: Path) -> Any:
+    """``.metadata`` of a DCP folder through :class:`AllowListUnpickler`, then checked
+    (:func:`_check_records`). Raises :class:`PickleRefused`, :class:`ReaderError` or
+    :class:`~ampctl.trust.FileRefused`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = path / METADATA
+    data = read_bounded(where)
+    try:
+        md = AllowListUnpickler(io.BytesIO(data), metadata_globals()).load()
+    except pickle.UnpicklingError as e:
+        raise PickleRefused(where, [first_line(e)], allowed="DCP's metadata classes") from None
+    except (EOFError, ValueError, AttributeError, TypeError, IndexError, KeyError) as e:
+        raise ReaderError(f"{str(where)!r} is not readable DCP metadata: {first_line(e)}") from None
+    except RecursionError:
+        raise ReaderError(
+            f"{str(where)!r} is not readable DCP metadata: nested too deeply"
+        ) from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise ReaderError(f"{str(where)!r} holds a {type(md).__name__}, not DCP metadata")
+    _check_records(path, md)
+    return md
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def _check_records(path: Path, md: Any) -> None:
+    """Every storage record names a plain file of this folder (no path, no ``..``, no link
+    out of it) and lies within that file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    sizes: dict[str, int] = {}
+    for index, info in (md.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str):
+            raise ReaderError(f"{str(path / METADATA)!r}: a storage record is malformed")
+        if not _SAFE_NAME.match(name) or name in (".", ".."):
+            raise FileRefused(
+                path / METADATA,
+                f"a record names the file {name!r}, which is not a file of this checkpoint "
+                "folder: not opened",
+            )
+        if name not in sizes:
+            sizes[name] = checked_file(path / name).st_size
+        offset, length = info.offset, info.length
+        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+            raise ReaderError(f"{str(path / METADATA)!r}: a storage record is malformed")
+        if offset + length > sizes[name]:
+            raise FileRefused(
+                path / name,
+                f"the record of {getattr(index, 'fqn', '?')!r} claims bytes {offset}..{offset + length}, "
+                f"beyond the end of the {human_size(sizes[name])} file (a tensor header larger "
+                "than the file): not read",
+            )
+
+
+def _tensor_entries(md: Any) -> tuple[dict[str, Any], list[str]]:
+    """``({fqn: TensorStorageMetadata}, [fqn of non-tensor values])``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors, other = {}, []
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            tensors[str(fqn)] = entry
+        else:
+            other.append(str(fqn))
+    return tensors, other
+
+
+def _allocate(path: Path, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Empty tensors for every entry, after their bytes are checked against the memory limit."""
+    sizes = {}
+    for fqn, entry in tensors.items():
+        dtype = entry.properties.dtype
+        if not isinstance(dtype, torch.dtype) or not all(
+            isinstance(d, int) and d >= 0 for d in entry.size
+        ):
+            raise ReaderError(f"{str(path / METADATA)!r}: the entry of {fqn!r} is malformed")
+        sizes[fqn] = math.prod(entry.size) * dtype.itemsize
+    total, largest = sum(sizes.values()), max(sizes.values(), default=0)
+    check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
+    return {fqn: torch.empty(tuple(e.size), dtype=e.properties.dtype) for fqn, e in tensors.items()}
+
+
+def _nest(md: Any, flat: dict[str, Any]) -> dict[str, Any]:
+    """The flat ``{fqn: value}`` nested as it was saved (DCP's ``planner_data`` paths)."""
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        keys = paths.get(fqn)
+        if not (
+            isinstance(keys, tuple | list)
+            and 0 < len(keys) <= 64
+            and all(isinstance(k, str | int) for k in keys)
+        ):
+            keys = fqn.split(".")
+        node = out
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            node[k] = nxt = nxt if isinstance(nxt, dict) else {}
+            node = nxt
+        node[keys[-1]] = value
+    return out
+
+
+def _reader_class(md: Any) -> type:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
+        """DCP's file reader with the metadata already read and checked here."""
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as f:
-                try:
-                    md = SafeMetadataUnpickler(f).load()
-                except pickle.UnpicklingError as e:
-                    raise PickleRefused(Path(path), [first_line(e)]) from None
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -76,40 +224,51 @@ def _reader_class() -> type:
     return SafeReader
 
 
-def _check_metadata(path: Path) -> None:
-    """Unpickle ``.metadata`` with the restricted unpickler before DCP sees the folder."""
-    try:
-        with open(path / METADATA, "rb") as f:
-            SafeMetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        raise PickleRefused(path / METADATA, [first_line(e)]) from None
-    except (OSError, EOFError, ValueError, AttributeError, TypeError) as e:
-        raise ReaderError(
-            f"{str(path / METADATA)!r} is not readable DCP metadata: {first_line(e)}"
-        ) from None
-
-
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path, trust_code: bool) -> tuple[dict[str, Any], list[str]]:
+    """The state (nested) and the non-tensor values left unread."""
     import warnings
 
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    _check_metadata(path)
+    md = read_metadata(path)
+    tensors, other = _tensor_entries(md)
+    flat = _allocate(path, tensors)
+    reader = _reader_class(md)(str(path))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*")
         try:
-            return _load_state_dict_from_keys(storage_reader=_reader_class()(str(path)))
-        except (PickleRefused, ReaderError):
+            if trust_code:  # the user allows DCP's own loader (non-tensor values unpickled)
+                return _load_state_dict_from_keys(storage_reader=reader), []
+            planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+            dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)
+        except (PickleRefused, ReaderError, FileRefused):
             raise
-        except Exception as e:  # noqa: BLE001 - a damaged checkpoint: one line
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: one line
             raise ReaderError(
-                f"{str(path)!r} is not a readable DCP checkpoint: {first_line(e)}"
+                f"{str(path)!r} is not a readable DCP checkpoint: {_failure(e)}"
             ) from None
+    return _nest(md, flat), other
 
 
-def read(path: Path) -> Found:
-    sd = _load(path)
+def _failure(e: BaseException) -> str:
+    """What went wrong, in one line; DCP wraps each rank's exception in a
+    ``CheckpointException`` (a ``BaseException``) with ``failures = {rank: (exc, trace)}``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) and first else e
+    text = first_line(e)
+    if "Weights only load failed" in text:
+        return "a tensor record is not data torch.load(weights_only=True) accepts (damaged?)"
+    return text
+
+
+def read(path: Path, *, trust_code: bool = False) -> Found:
+    sd, unread = _load(path, trust_code)
     found = Found(format=FORMAT_NAME, path=path)
     model = next((sd[k] for k in MODEL_KEYS if isinstance(sd.get(k), dict)), None)
     opt = next((sd[k] for k in OPTIMIZER_KEYS if isinstance(sd.get(k), dict)), None)
@@ -135,8 +294,18 @@ def read(path: Path) -> Found:
         found.step = int(m.group(1))
     if not found.weights and found.optimizer is None:
         raise NotACheckpoint(f"{str(path)!r}: the DCP checkpoint holds no model or optimizer state")
-    found.files.append(FileNote(METADATA, True, "metadata (restricted unpickler)"))
+    found.files.append(FileNote(METADATA, True, "metadata (allow-list unpickler)"))
     found.files += [FileNote(p.name, True, "tensor data") for p in sorted(path.glob("*.distcp"))]
+    if unread:
+        unread = sorted(unread, key=lambda fqn: fqn.count("."))  # top-level ones (step) first
+        shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
+        found.files.append(
+            FileNote(
+                f"{len(unread)} non-tensor value(s)",
+                False,
+                f"pickled Python objects ({shown}); --trust-code loads them with DCP's loader",
+            )
+        )
     found.siblings = _siblings(path)
     return found
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ampctl.trust import read_bounded
+
 from .base import FileNote, Found, InertObject, NotACheckpoint, float_tensors, load_restricted
 
 __all__ = ["FORMAT_NAME", "claims", "read", "INERT"]
@@ -60,8 +62,8 @@ def read(path: Path) -> Found:
         tags = _tags(path)
         latest = path / "latest"
         chosen = None
-        if latest.is_file():
-            name = latest.read_text().strip()
+        if latest.exists() or latest.is_symlink():  # a tag name, read whole under the cap
+            name = read_bounded(latest).decode("utf-8", errors="replace").strip()
             chosen = next((t for t in tags if t.name == name), None)
         if not tags:
             raise NotACheckpoint(f"{str(path)!r} holds no global_stepN/{_MODEL}")

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ampctl.runlog import read_json
+from ampctl.runlog.readers import RunFileError, load_json
 
 from .base import (
     FileNote,
@@ -78,8 +78,23 @@ def _step_of(p: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def _trainer_state(found: Found, path: Path) -> dict[str, Any]:
+    """``trainer_state.json``; one that cannot be read is kept in ``found.history_errors``."""
+    try:
+        state = load_json(path / TRAINER_STATE)
+    except RunFileError as e:
+        found.history_errors.append((TRAINER_STATE, e.reason))
+        return {}
+    if not isinstance(state, dict):
+        found.history_errors.append(
+            (TRAINER_STATE, f"holds a {type(state).__name__}, not an object")
+        )
+        return {}
+    return state
+
+
 def _read_files(found: Found, path: Path) -> None:
-    state = read_json(path / TRAINER_STATE) or {}
+    state = _trainer_state(found, path)
     step = state.get("global_step")
     found.step = (
         step if isinstance(step, int) else (_step_of(path) if _step_of(path) >= 0 else None)
@@ -102,7 +117,8 @@ def _read_files(found: Found, path: Path) -> None:
                 found.scaler, found.scaler_kind = obj, "GradScaler"
                 found.files.append(FileNote(f.name, True, "GradScaler state"))
         elif f.name == TRAINER_STATE:
-            found.files.append(FileNote(f.name, True, "log_history"))
+            read = not found.history_errors
+            found.files.append(FileNote(f.name, read, "log_history" if read else "unreadable"))
         elif f.name == "config.json":
             found.model_dir = path
             found.files.append(FileNote(f.name, True, "model config (replay, names)"))
@@ -145,7 +161,8 @@ def nan_filtered(row: dict[str, Any], previous_loss: float | None) -> bool:
 
 def history_of(state: dict[str, Any], source: Path) -> ForeignHistory | None:
     rows = []
-    for r in state.get("log_history") or []:
+    logged = state.get("log_history")
+    for r in logged if isinstance(logged, list) else []:
         if not isinstance(r, dict) or "loss" not in r and "grad_norm" not in r:
             continue  # eval rows, the final train summary
         step = r.get("step")

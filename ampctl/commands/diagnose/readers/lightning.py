@@ -13,11 +13,15 @@ checked by shape.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ampctl.runlog.readers import RunFileError
+from ampctl.trust import FileRefused, read_bounded
 
 from .base import FileNote, ForeignHistory, Found, NotACheckpoint, float_tensors, load_torch
 from .plain import is_optimizer_state, is_scaler_state
@@ -88,7 +92,10 @@ def read_loaded(obj: dict[str, Any], path: Path) -> Found:
             found.precision, found.precision_source = "fp16", f"{key} (GradScaler: 16-mixed)"
             break
     found.files.append(FileNote(path.name, True, "state_dict, optimizer_states, scaler"))
-    found.history = history_beside(path)
+    try:
+        found.history = history_beside(path)
+    except RunFileError as e:
+        found.history_errors.append((e.path.name, e.reason))
     return found
 
 
@@ -138,8 +145,15 @@ def _float(x: Any) -> float | None:
 
 
 def _csv_history(path: Path) -> ForeignHistory | None:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    """The logger's ``metrics.csv`` (read whole, under the size cap). Raises
+    :class:`~ampctl.runlog.readers.RunFileError` for one that cannot be read."""
+    try:
+        text = read_bounded(path).decode("utf-8", errors="replace")
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    except FileRefused as e:
+        raise RunFileError(path, e.reason) from None
+    except csv.Error as e:
+        raise RunFileError(path, f"is not a CSV file the logger wrote: {e}") from None
     if not rows:
         return None
     cols = _pick(list(rows[0].keys()))

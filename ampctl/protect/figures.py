@@ -17,21 +17,26 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["LogWindow", "DeviceFigures", "Probe", "sampling"]
+__all__ = ["LogWindow", "DeviceFigures", "Probe", "gather_log_figures", "sampling"]
 
 
 @dataclass
 class LogWindow:
-    """Loss sum and count of the finite losses of an interval, and its tokens (device tensors;
-    kept in checkpoints so that a resumed interval's row equals the uninterrupted one)."""
+    """A log interval: the loss scaler's update number where it began (its losses are the
+    scaler's records since: no op per step), its tokens and its start time. Steps whose loss the
+    scaler did not see (a loop that hands its losses over instead) are summed on the device in
+    ``loss_sum`` / ``loss_n``; a window that has those uses them. Kept in checkpoints, so a
+    resumed interval's row equals the uninterrupted one."""
 
+    first_update: int = 0
     loss_sum: torch.Tensor | None = None
     loss_n: torch.Tensor | None = None
     tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
 
-    def add(self, loss: torch.Tensor, tokens: int) -> None:
-        """Add one step's loss (non-finite losses are not averaged in). No host read."""
+    def add(self, loss: torch.Tensor, tokens: int = 0) -> None:
+        """Add a step's loss the scaler did not record (non-finite losses are not averaged in).
+        No host read."""
         finite = torch.isfinite(loss)
         value = torch.where(finite, loss, 0.0)
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
@@ -39,9 +44,19 @@ class LogWindow:
         self.loss_n = n if self.loss_n is None else self.loss_n + n
         self.tokens += tokens
 
+    def loss(self, scaler: Any) -> tuple[Any, Any]:
+        """``(sum, count)`` of the interval's finite losses: those handed over, else the
+        scaler's records since :attr:`first_update` (0-dim device tensors). No host read."""
+        if self.loss_sum is not None:
+            return self.loss_sum, self.loss_n
+        if scaler.num_updates <= self.first_update:
+            return 0.0, 0.0
+        return scaler.loss_since(self.first_update)
+
     def state_dict(self) -> dict[str, Any]:
         """CPU copies (a device-to-host copy: call it when checkpointing)."""
         return {
+            "first_update": self.first_update,
             "loss_sum": self.loss_sum.detach().cpu() if self.loss_sum is not None else None,
             "loss_n": self.loss_n.detach().cpu() if self.loss_n is not None else None,
             "tokens": self.tokens,
@@ -50,7 +65,7 @@ class LogWindow:
     @classmethod
     def from_state(cls, sd: dict[str, Any] | None, device: torch.device) -> LogWindow:
         sd = sd or {}
-        w = cls(tokens=int(sd.get("tokens", 0)))
+        w = cls(first_update=int(sd.get("first_update", 0)), tokens=int(sd.get("tokens", 0)))
         if sd.get("loss_sum") is not None:
             w.loss_sum = sd["loss_sum"].to(device)
             w.loss_n = sd["loss_n"].to(device)
@@ -140,3 +155,42 @@ def sampling(probes: list[Probe], model: nn.Module, enabled: bool):
         for p in probes:
             stack.enter_context(p.sampling(model, True))
         yield
+
+
+def gather_log_figures(
+    fig: DeviceFigures,
+    *,
+    window: LogWindow,
+    stats: dict[str, torch.Tensor] | None,
+    scaler: Any,
+    overflow_window: int,
+    lr: Any,
+    probes: list[Probe] | tuple[()] = (),
+    protection: Any = None,
+    sharded: bool = False,
+) -> None:
+    """Add every figure of a log step to ``fig`` under the names
+    :func:`~ampctl.protect.records.metrics_row` reads: the interval's loss, the gradient
+    statistics (when taken), the scaler's counters, the recent skips, the lr, the probes' figures
+    and the protection's (:meth:`~ampctl.protect.protection.Protection.log_figures`: the waiting
+    decisions of the fused path, the spike rule's window).
+    ``sharded``: the gradients are sharded over ranks (FSDP), so their figures are summed (and
+    their max taken) across ranks; the loss is always summed. No host read."""
+    loss_sum, loss_n = window.loss(scaler)
+    fig.add("loss_sum", loss_sum, "sum")
+    fig.add("loss_n", loss_n, "sum")
+    if stats is not None:
+        s, m = ("sum", "max") if sharded else (None, None)
+        fig.add("grad_norm_sq", stats["grad_norm"] ** 2, s)
+        fig.add("grad_underflow", stats["grad_underflow"], s)
+        fig.add("grad_elems", stats["grad_elems"], s)
+        fig.add("nonfinite_grads", stats["nonfinite_grads"], s)
+        fig.add("grad_amax", stats["grad_amax"], m)
+    for k, v in scaler.device_counters().items():
+        fig.add(k, v)
+    fig.add("recent_skips", scaler.recent_skips(overflow_window))
+    fig.add("lr", lr)
+    for probe in probes:
+        probe.figures(fig)
+    if protection is not None:
+        protection.log_figures(fig)

@@ -44,123 +44,52 @@ rode on the loop's log read (:meth:`Protection.after_log`): no read of their own
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from ampctl.amp.checks import is_finite, is_int, need
+from ampctl.amp import records as rec
 from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
-from ampctl.amp.guard import Action, Decision, GuardRules, OverflowGuard
+from ampctl.amp.guard import Action, Decision, OverflowGuard
 from ampctl.amp.locate import first_bad, trace_modules
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
-from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision, bf16_supported, make_precision
+from ampctl.amp.precision import Precision, bf16_supported
 from ampctl.amp.scaler import LossScaler
+from ampctl.protect.loss import ForwardLoss, default_forward
+from ampctl.protect.settings import GuardConfig
+from ampctl.protect.snapshot import Snapshot
+from ampctl.protect.spike import SpikeRule
+from ampctl.protect.switch import switch_precision
 
-__all__ = ["GuardConfig", "Protection", "TrainAborted", "Progress"]
+__all__ = ["Protection", "Rewind", "TrainAborted"]
 
 
 class TrainAborted(RuntimeError):
     """The guard gave up (abort policy, or nothing left to fall back to)."""
 
 
-@dataclass(kw_only=True)
-class GuardConfig(GuardRules):
-    """``guard.*``: the rules of :class:`~ampctl.amp.guard.GuardRules` plus how they are carried
-    out (attribution, forward locate and promotion, rollback's scale cut, snapshots)."""
+@dataclass(frozen=True)
+class Rewind:
+    """What a rollback or a fallback restored, for the loop to put its own position back.
 
-    enabled: bool = True
-    attribution: bool = True
-    attribution_limit: int = 5
-    locate_forward: bool = True
-    promote: bool = True
-    rollback_backoff: float = 0.25
-    snapshot_every: int = 10
-    fp8_demote: bool = True
-    fp8_sat_threshold: float = 0.10
-    fp8_under_threshold: float = 0.01
-    fp8_patience: int = 3
+    The protection restores what it owns (weights, fp32 masters, optimizer state, scale); the
+    loop owns its step counter, data position, RNG, lr schedule: it gets them back as it handed
+    them over, ``progress`` (what its ``progress_state()`` returned when the snapshot of
+    ``to_step`` was taken; None without ``progress_state`` or snapshot), and applies them."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for f, allowed in (
-            ("fp8_sat_threshold", "a fraction in [0, 1]"),
-            ("fp8_under_threshold", "a fraction in [0, 1]"),
-        ):
-            v = getattr(self, f)
-            need(is_finite(v) and 0 <= v <= 1, self, f, v, allowed)
-        need(
-            is_int(self.fp8_patience) and self.fp8_patience >= 1,
-            self,
-            "fp8_patience",
-            self.fp8_patience,
-            "an integer >= 1 (log steps in a row above a threshold)",
-        )
-        need(
-            is_int(self.attribution_limit) and self.attribution_limit >= 1,
-            self,
-            "attribution_limit",
-            self.attribution_limit,
-            "an integer >= 1",
-        )
-        need(
-            is_finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
-            self,
-            "rollback_backoff",
-            self.rollback_backoff,
-            "in (0, 1]",
-        )
-        bad = [p for p in self.fallback_chain if p not in PRECISIONS]
-        need(
-            not bad,
-            self,
-            "fallback_chain",
-            list(self.fallback_chain),
-            f"a list of {', '.join(PRECISIONS)}",
-        )
-        need(
-            is_int(self.snapshot_every) and self.snapshot_every >= 0,
-            self,
-            "snapshot_every",
-            self.snapshot_every,
-            "an integer >= 0 (0: no snapshots)",
-        )
-
-    @property
-    def rules(self) -> GuardRules:
-        return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
-
-    @property
-    def fp8_rules(self) -> DemoteRules:
-        return DemoteRules(
-            sat_threshold=self.fp8_sat_threshold,
-            under_threshold=self.fp8_under_threshold,
-            patience=self.fp8_patience,
-        )
+    kind: str  # "rollback" | "fallback"
+    from_step: int  # the step whose decision restored
+    to_step: int  # the step whose state is back
+    progress: Any = None
+    discarded_steps: int = 0  # steps that had run after from_step (fused path: decided late)
 
 
-class Progress(Protocol):
-    """The owner's position that a rollback rewinds (step, data position, RNG ...)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class _Snapshot:
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scale: torch.Tensor  # device copy: taking a snapshot reads nothing on the host
-    master: list[torch.Tensor] | None
-    progress: dict[str, Any] | None
+_ASK = object()  # take_snapshot: ask the loop for its position
 
 
 @dataclass
@@ -172,14 +101,7 @@ class _Pending:
     batches: list[dict[str, torch.Tensor]] | None
 
 
-Emit = Callable[..., None]  # emit(step, kind, message, **extra)
-ForwardLoss = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-
-
-def _default_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from ampctl.train.builders import extract_loss
-
-    return extract_loss(model(**batch)).float()
+Emit = Callable[[dict[str, Any]], None]  # emit(event): records one event dict
 
 
 class Protection:
@@ -187,15 +109,19 @@ class Protection:
     by the overflow guard (see the module docstring).
 
     Args:
-        model: the model the forward runs (unwrapped: its ``state_dict`` is what a rollback
-            restores; under DDP/FSDP pass the inner module and the wrapper as ``forward_model``).
+        model: the model whose weights a rollback restores and whose gradients attribution
+            names (unwrapped: under DDP/FSDP the inner module; the replays run its forward
+            through ``forward``).
         optimizer: the optimizer, built over ``precision.optimizer_params(model)``.
         precision: the precision plugin, with its scaler.
         config: the guard's rules and knobs.
-        emit: ``emit(step, kind, message, **extra)`` records an event (events.jsonl, display);
-            by default events are only kept in :attr:`events`.
-        progress: what a rollback rewinds besides weights, optimizer state and scale (the
-            owner's step counter, data position, RNG); None rewinds only those three.
+        emit: ``emit(event)`` receives each event, a dict with ``step``, ``kind``, ``message``,
+            ``time`` and the kind's own keys (the loop writes it to events.jsonl and the
+            display); every event is also kept in :attr:`events`.
+        progress_state: ``progress_state()`` returns the loop's own position (step counter,
+            data position, RNG ...) when a snapshot is taken; a rollback or fallback hands it
+            back in the :class:`Rewind` it returns, and the loop restores it. None: the loop
+            keeps its position (a rollback then restores weights, optimizer state and scale).
         forward: ``forward(model, batch) -> loss`` for the forward-overflow replay (run under
             the precision's autocast); default: ``model(**batch)`` and its ``.loss``.
         rebuild_optimizer: ``rebuild(params) -> optimizer`` used by a precision fallback when the
@@ -216,7 +142,7 @@ class Protection:
         *,
         config: GuardConfig | None = None,
         emit: Emit | None = None,
-        progress: Progress | None = None,
+        progress_state: Callable[[], Any] | None = None,
         forward: ForwardLoss | None = None,
         rebuild_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         dist: Any = None,
@@ -229,16 +155,25 @@ class Protection:
         self.guard = OverflowGuard(self.config.rules)
         self.events: list[dict[str, Any]] = []
         self._emit_fn = emit
-        self.progress = progress
-        self.forward = forward or _default_forward
+        self.progress_state = progress_state
+        self.forward = forward or default_forward
         self.rebuild_optimizer = rebuild_optimizer
         self.dist = dist
         self.fallback_unavailable = fallback_unavailable
-        self.snapshot: _Snapshot | None = None
+        self.snapshot: Snapshot | None = None
         self._clean_since_snapshot = 0
         self._pending: list[_Pending] = []
         self._step = 0  # the last step seen
         self.fp8_health = Fp8Health(self.config.fp8_rules)
+        c = self.config
+        self.spike = SpikeRule(
+            z=c.spike_z,
+            window=c.spike_window,
+            min_steps=c.spike_min_steps,
+            grad_norm=c.spike_grad_norm,
+            enabled=c.enabled and c.spike,
+        )
+        self._read_end = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -281,54 +216,77 @@ class Protection:
         *,
         skipped: bool | None,
         batches: list[dict[str, torch.Tensor]] | None = None,
-    ) -> None:
+    ) -> Rewind | None:
         """Call once per optimizer step, after ``scaler.update()``, with the step number and
         the skip flag as the scaler read it (``precision.optimizer_step``'s return value; None
         when nothing was read, i.e. a fused optimizer). ``batches``: the step's micro-batches,
-        for the forward-overflow replay. No host read on a clean step (see the module
-        docstring for the others). May raise :class:`TrainAborted`."""
+        for the forward-overflow replay. Returns the :class:`Rewind` of a rollback or fallback
+        decided here (the loop restores its position from it), else None. No host read on a
+        clean step (see the module docstring for the others). May raise :class:`TrainAborted`."""
         self._step = step
         if not self.enabled:
-            return
+            return None
         if skipped is None:  # decided at the next read
-            self._pending.append(_Pending(self.scaler.num_steps, step, batches))
-            return
+            self._pending.append(_Pending(self.scaler.num_updates, step, batches))
+            return None
         if not skipped:
-            self._observe(step, skipped=False)
+            self._observe(step, kind=rec.CLEAN)
             self._maybe_snapshot(step)
-            return
-        # one read for the skipped step: its kind and the scale after it, with attribution
-        names, kind, scale_after = self._attribute()
-        self._observe(
+            return None
+        # one read for the skipped step: its record and the scale after it, with attribution
+        names, record, scale_after = self._attribute()
+        return self._observe(
             step,
-            skipped=True,
-            forward=kind == 2,
+            kind=rec.kind(record, check_loss=self.scaler.check_loss),
+            record=record,
             scale_after=scale_after,
             names=names,
             batches=batches,
         )
 
+    # ------------------------------------------------------------------ the log read
+    def log_figures(self, fig: Any) -> None:
+        """Add what the protection needs from the log step's one read: the waiting decisions
+        (fused path) and the spike rule's window. No host read."""
+        pending = self.pending_reads()
+        if pending is not None:
+            fig.add("pending_decisions", pending, vector=True)
+        self.spike.figures(fig, self.scaler)
+
+    def on_log_read(self, values: dict[str, Any]) -> Rewind | None:
+        """After the log read: new spike thresholds from the window, then the waiting decisions
+        (:meth:`on_read`: may restore a snapshot, switch precision or raise
+        :class:`TrainAborted`). No host read of its own."""
+        self.spike.on_read(values, self.scaler)
+        pending = values.get("pending_decisions")
+        return self.on_read(pending) if pending is not None else None
+
     # ------------------------------------------------------------------ the fused path
     def pending_reads(self) -> torch.Tensor | None:
         """What the decisions still waiting need from the device (fused path), as one flat
-        float64 device tensor to read together with the caller's own figures; None when nothing
-        waits. No host read."""
+        float64 device tensor to read together with the caller's own figures: the scale now and
+        the step records since the first waiting step; None when nothing waits. No host read."""
         if not self._pending:
             return None
-        n = self.scaler.num_steps - self._pending[0].update + 1
-        rows = self.scaler.recent_history(n).double().reshape(-1)
-        scale = self.scaler.device_counters()["scale"].double().reshape(1)
-        return torch.cat([scale, rows])
+        sc = self.scaler
+        n = sc.num_updates - self._pending[0].update + 1
+        rows = sc.recent_records(n)
+        self._read_end = sc.num_updates  # the records end at this update
+        scale = sc.get_scale_tensor()
+        return torch.cat([scale.double().reshape(1), rows.double().reshape(-1)])
 
-    def on_read(self, values: list[float]) -> None:
+    def on_read(self, values: list[float]) -> Rewind | None:
         """Take the waiting decisions from the values of :meth:`pending_reads` (read by the
-        caller). May restore a snapshot or switch precision; may raise :class:`TrainAborted`."""
+        caller). May restore a snapshot or switch precision (then returns the :class:`Rewind`:
+        the steps run after the decision are discarded); may raise :class:`TrainAborted`."""
         pending, self._pending = self._pending, []
         if not pending:
-            return
+            return None
         scale_now, flat = values[0], values[1:]
-        rows = [flat[i : i + 3] for i in range(0, len(flat), 3)]
-        by_update = {int(r[0]): r for r in rows}
+        width = len(rec.COLUMNS)
+        rows = [flat[i : i + width] for i in range(0, len(flat), width)]
+        first = self._read_end - len(rows) + 1  # the update number of rows[0]
+        by_update = {first + i: r for i, r in enumerate(rows)}
         if len(rows) < len(pending):
             self.emit(
                 pending[-1].step,
@@ -341,34 +299,34 @@ class Protection:
             row = by_update.get(p.update)
             if row is None:
                 continue
-            kind = int(row[2])
             nxt = by_update.get(p.update + 1)
-            scale_after = nxt[1] if nxt is not None else scale_now
-            action = self._observe(
+            scale_after = nxt[rec.SCALE] if nxt is not None else scale_now
+            rewind = self._observe(
                 p.step,
-                skipped=kind > 0,
-                forward=kind == 2,
+                kind=rec.kind(row, check_loss=self.scaler.check_loss),
+                record=row,
                 scale_after=scale_after,
                 names=None,
                 batches=p.batches,
                 late_by=pending[-1].step - p.step,
                 ran_after=len(pending) - i - 1,
             )
-            if action in (Action.ROLLBACK, Action.FALLBACK):
-                return  # the steps run after the decision are discarded
+            if rewind is not None:
+                return rewind  # the steps run after the decision are discarded
         # a snapshot only where the state is known to be good: a read point after a clean step,
         # at least snapshot_every steps after the previous snapshot
         last = pending[-1].step
         since = last - self.snapshot.step if self.snapshot is not None else last
         if self.snapshots and self.guard.consecutive == 0 and since >= self.config.snapshot_every:
             self.take_snapshot(last)
+        return None
 
-    def sync(self) -> None:
+    def sync(self) -> Rewind | None:
         """Read what :meth:`pending_reads` needs and take the waiting decisions (for loops that
-        have no read point of their own). **Syncs** once when decisions wait."""
+        have no read point of their own); returns :meth:`on_read`'s :class:`Rewind`. **Syncs**
+        once when decisions wait."""
         t = self.pending_reads()
-        if t is not None:
-            self.on_read(t.tolist())
+        return self.on_read(t.tolist()) if t is not None else None
 
     # ------------------------------------------------------------------ fp8 layers
     def after_log(self, step: int) -> None:
@@ -442,13 +400,14 @@ class Protection:
         return True
 
     # ------------------------------------------------------------------ deciding
-    def _attribute(self) -> tuple[list[str] | None, int, float]:
+    def _attribute(self) -> tuple[list[str] | None, list[float], float]:
         """Names of the non-finite gradients (up to ``attribution_limit``; None when attribution
-        is off), the kind of the last overflow (1 gradient, 2 forward) and the scale after the
-        step. **Syncs** once: everything in one transfer."""
+        is off), the last step's record and the scale after the step. **Syncs** once:
+        everything in one transfer."""
+        sc = self.scaler
         figures = [
-            self.scaler.recent_history(1).double().reshape(-1)[2:],
-            self.scaler.device_counters()["scale"].double().reshape(1),
+            sc.recent_records(1).double().reshape(-1),
+            sc.get_scale_tensor().double().reshape(1),
         ]
         names: list[str] = []
         if self.config.attribution:
@@ -458,25 +417,33 @@ class Protection:
             if flags is not None:
                 figures.append(flags.double().to(figures[0].device))
         vals = torch.cat(figures).tolist()
-        kind, scale_after = int(vals[0]), float(vals[1])
+        width = len(rec.COLUMNS)
+        record, scale_after = vals[:width], float(vals[width])
         if not self.config.attribution:
-            return None, kind, scale_after
-        return names_flagged(names, vals[2:], self.config.attribution_limit), kind, scale_after
+            return None, record, scale_after
+        limit = self.config.attribution_limit
+        return names_flagged(names, vals[width + 1 :], limit), record, scale_after
 
     def _observe(
         self,
         step: int,
         *,
-        skipped: bool,
-        forward: bool = False,
+        kind: int,
+        record: list[float] | None = None,
         scale_after: float = 0.0,
         names: list[str] | None = None,
         batches: list[dict[str, torch.Tensor]] | None = None,
         late_by: int | None = None,
         ran_after: int = 0,
-    ) -> Action:
+    ) -> Rewind | None:
+        skipped = kind != rec.CLEAN
+        forward = kind == rec.FORWARD
+        if skipped and kind in (rec.FORWARD, rec.SPIKE) and record is not None:
+            scale_after = self._keep_scale(record[rec.SCALE], scale_after)
         at_floor = skipped and self.scaler.is_enabled() and scale_after <= self.scaler.min_scale
-        if skipped:
+        if kind == rec.SPIKE:
+            self._spike_event(step, record, scale_after, late_by)
+        elif skipped:
             self._overflow_event(step, forward, scale_after, names, late_by)
             if forward and self.config.locate_forward and batches:
                 self._locate_and_promote(step, batches, late_by)
@@ -487,13 +454,47 @@ class Protection:
         decision = self.guard.observe(
             step=step,
             skipped=skipped,
-            forward_overflow=forward,
+            forward_overflow=forward or kind == rec.SPIKE,
             at_floor=at_floor,
             precision=self.precision.name,
             bf16_ok=bf16_supported(self._device()),
         )
-        self._apply(decision, step, scale_after, ran_after)
-        return decision.action
+        return self._apply(decision, step, scale_after, ran_after)
+
+    def _keep_scale(self, used: float, after: float) -> float:
+        """A forward overflow or a spike backed the scale off (the scaler's rule cannot tell it
+        from a gradient overflow), though a smaller scale cures neither: put the factor back on
+        the scale as it is now. Returns the scale after the step as kept. No host read (the
+        scale rides on the caller's read)."""
+        if not self.scaler.is_enabled() or not (0 < after < used):
+            return after
+        self.scaler.restore_scale(used / after)
+        return used
+
+    def _spike_event(
+        self, step: int, record: list[float] | None, scale: float, late_by: int | None
+    ) -> None:
+        """A step the spike rule vetoed: its loss (or gradient norm), the threshold and the
+        z-scores against the window the threshold came from."""
+        r = record or [float("nan")] * len(rec.COLUMNS)
+        extra: dict[str, Any] = {
+            "loss": r[rec.LOSS],
+            "loss_threshold": r[rec.LOSS_THR],
+            "grad_norm": r[rec.GNORM],
+            "grad_norm_threshold": r[rec.GNORM_THR],
+            "scale": scale,
+            **self.spike.z_scores(r[rec.LOSS], r[rec.GNORM]),
+        }
+        what = (
+            f"loss {r[rec.LOSS]:.4g} > {r[rec.LOSS_THR]:.4g}"
+            if math.isfinite(r[rec.LOSS]) and r[rec.LOSS] > r[rec.LOSS_THR]
+            else f"grad norm {r[rec.GNORM]:.4g} > {r[rec.GNORM_THR]:.4g}"
+        )
+        z = extra.get("loss_z") if "loss" in what else extra.get("grad_norm_z")
+        zs = f" (z = {z:.1f})" if isinstance(z, float) and math.isfinite(z) else ""
+        if late_by:
+            extra["decided_at_step"] = step + late_by
+        self.emit(step, "spike", f"spike, step skipped: {what}{zs}", **extra)
 
     def _overflow_event(
         self,
@@ -569,14 +570,17 @@ class Protection:
             )
 
     # ------------------------------------------------------------------ acting
-    def _apply(self, decision: Decision, step: int, scale_after: float, ran_after: int = 0) -> None:
+    def _apply(
+        self, decision: Decision, step: int, scale_after: float, ran_after: int = 0
+    ) -> Rewind | None:
         """Carry out a decision taken for ``step``; ``ran_after``: steps that already ran after it
-        (fused path), which a rollback or fallback discards."""
+        (fused path), which a rollback or fallback discards. Returns the :class:`Rewind` of a
+        rollback or fallback."""
         if decision.action is Action.CONTINUE:
-            return
+            return None
         if decision.action is Action.WARN:
             self.emit(step, "warning", decision.reason)
-            return
+            return None
         if decision.action is Action.ABORT:
             self.emit(step, "abort", decision.reason)
             raise TrainAborted(decision.reason)
@@ -594,6 +598,7 @@ class Protection:
         if snap is not None:
             self.restore(snap)  # the scaler keeps its counters: the skips happened
         to_step = snap.step if snap is not None else step
+        progress = snap.progress if snap is not None else None
         late = {"discarded_steps": ran_after} if ran_after else {}
         snap_scale = float(snap.scale.item()) if snap is not None else scale_after
         if decision.action is Action.ROLLBACK:
@@ -612,14 +617,14 @@ class Protection:
                 from_step=step,
                 **late,
             )
-            return
+            return Rewind("rollback", step, to_step, progress, ran_after)
         old = self.precision.name
         self.switch_precision(decision.precision, scale=snap_scale)
         self.guard.after_fallback()
         self.snapshot = None
         self._step = to_step
-        if self.snapshots:
-            self.take_snapshot(to_step)
+        if self.snapshots:  # the restored state, with the position the loop is handed back
+            self.take_snapshot(to_step, progress=progress)
         self.emit(
             to_step,
             "fallback",
@@ -630,25 +635,33 @@ class Protection:
             from_step=step,
             **late,
         )
+        return Rewind("fallback", step, to_step, progress, ran_after)
 
     def _can_switch(self) -> bool:
         if self.fallback_unavailable is not None:
             return False
         return self.precision.master is None or self.rebuild_optimizer is not None
 
-    def take_snapshot(self, step: int) -> None:
-        """Keep the current (good) state in memory for rollback. Device copies, no host read."""
-        self.snapshot = _Snapshot(
-            step=step,
-            model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            optimizer=_clone_state(self.optimizer.state_dict()),
-            scale=self.scaler.get_scale_tensor().clone()
-            if self.scaler.get_scale_tensor() is not None
-            else torch.tensor(self.scaler.get_scale()),
-            master=[m.detach().clone() for m in self.precision.master.params]
-            if self.precision.master is not None
-            else None,
-            progress=self.progress.state_dict() if self.progress is not None else None,
+    def take_snapshot(self, step: int, *, progress: Any = _ASK) -> None:
+        """Keep the current (good) state in memory for rollback, with the loop's position
+        (``progress``; by default what ``progress_state()`` returns now): one foreach copy per
+        (device, dtype) group into buffers allocated once (:mod:`~ampctl.protect.snapshot`).
+        No host read."""
+        if progress is _ASK:
+            progress = self.progress_state() if self.progress_state is not None else None
+        scale = self.scaler.get_scale_tensor()
+        if scale is None:  # before the first scale(): the scale the state will start from
+            scale = torch.tensor(self.scaler.get_scale(), dtype=torch.float32)
+        if self.snapshot is None:
+            self.snapshot = Snapshot()
+        master = self.precision.master
+        self.snapshot.take(
+            step,
+            self.model,
+            self.optimizer,
+            masters=master.params if master is not None else None,
+            scale=scale,
+            progress=progress,
         )
         self._clean_since_snapshot = 0
 
@@ -660,44 +673,18 @@ class Protection:
         ):
             self.take_snapshot(step)
 
-    def restore(self, snap: _Snapshot) -> None:
-        """Put the snapshot's weights, masters, optimizer state and progress back (the scale is
-        the caller's decision). No host read."""
-        self.model.load_state_dict(snap.model)
-        if snap.master is not None and self.precision.master is not None:
-            with torch.no_grad():
-                for m, v in zip(self.precision.master.params, snap.master, strict=True):
-                    m.copy_(v)
-        self.optimizer.load_state_dict(_clone_state(snap.optimizer))
-        if snap.progress is not None and self.progress is not None:
-            self.progress.load_state_dict(snap.progress)
+    def restore(self, snap: Snapshot) -> None:
+        """Put the snapshot's weights, masters and optimizer state back (the scale is the
+        caller's decision, the loop's position the loop's: see :class:`Rewind`). No host read."""
+        master = self.precision.master
+        snap.restore(self.model, self.optimizer, master.params if master is not None else None)
 
     def switch_precision(self, name: str, *, scale: float | None = None) -> None:
         """Move the run to precision ``name`` in place, keeping weights, optimizer state,
         exempted modules and the scaler's counters (the scale restarts at ``scale`` when the new
         precision scales the loss)."""
-        old = self.precision
         opt_state = self.optimizer.state_dict()
-        counters = old.scaler.state_dict()
-        exempted = old.release(self.model)
-        new = make_precision(
-            name,
-            fp32_modules=old.fp32_modules,
-            device_type=old.device_type,
-            scaler=LossScaler(
-                enabled=PLUGINS[name].needs_scaler, history_size=old.scaler.history_size
-            ),
-            options=old.options,
-        )
-        new.prepare(self.model)
-        for n in exempted:
-            if n not in new.exempted:
-                new.exempt(self.model, n)
-        if new.scaler.is_enabled() and scale is not None and math.isfinite(scale):
-            counters["scale"] = scale
-        new.scaler.load_state_dict(counters)
-        new.scaler.reduce_flags = old.scaler.reduce_flags
-        new.scaler.init_state(self._device())
+        new = switch_precision(self.precision, name, self.model, device=self._device(), scale=scale)
         params = new.optimizer_params(self.model)
         if self.rebuild_optimizer is not None:
             self.optimizer = self.rebuild_optimizer(params)
@@ -707,23 +694,10 @@ class Protection:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The guard's host-side history (the snapshot is not saved: a checkpoint is one)."""
-        return self.guard.state_dict()
+        """The guard's host-side history and the spike rule's window statistics (the snapshot
+        is not saved: a checkpoint is one)."""
+        return {**self.guard.state_dict(), "spike": self.spike.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
-
-
-def _clone_state(obj: Any) -> Any:
-    """A copy of a (nested) state dict whose tensors are cloned on their device: what
-    ``copy.deepcopy`` gives, without its per-object bookkeeping (a snapshot of the optimizer
-    state is taken every ``guard.snapshot_every`` steps). No host read."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone_state(v) for v in obj)
-    return copy.deepcopy(obj)
+        self.spike.load_state_dict(state.get("spike") or {}, self.scaler)

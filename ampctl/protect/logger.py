@@ -1,38 +1,21 @@
 """The run's loggers behind one call each (torchtitan's metrics logger container): a metrics
-row, an event or the summary goes to the run folder, the display and TensorBoard at once.
+row or an event goes to the run folder (metrics.jsonl, events.jsonl), the display and TensorBoard
+at once; the summary goes to summary.json (the loop shows it on the display itself).
 
-Only the main rank writes; on other ranks every call is a no-op. A failing display or
-TensorBoard write never stops training (the display swallows its own errors; a TensorBoard
-failure is turned into one warning event).
+Only the main rank writes; on other ranks every call is a no-op. A failing display never stops
+training (the display swallows its own errors).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ampctl.amp.checks import need
 from ampctl.runlog import RunLayout, RunWriter, read_jsonl
 from ampctl.ui.tensorboard import make_tensorboard_sink
 
 __all__ = ["RunLogger"]
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    """``logging.*``: extra sinks, the end-of-run plot, and the log-step activation-gradient
-    underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only)."""
-
-    tensorboard: bool = False
-    plot: bool = True
-    act_grads: bool = True
-
-    def __post_init__(self) -> None:
-        for k in ("tensorboard", "plot", "act_grads"):
-            v = getattr(self, k)
-            need(isinstance(v, bool), self, k, v, "true or false")
 
 
 class RunLogger:

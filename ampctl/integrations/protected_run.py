@@ -14,7 +14,7 @@ Accelerate loop; the Lightning and HF Trainer integrations are built on it)::
             scaler.update()
             run.after_step(loss, batch)    # after update(), before the next zero_grad()
 
-Per optimizer step it hands the step to :class:`~ampctl.train.protection.Protection` -- the
+Per optimizer step it hands the step to :class:`~ampctl.protect.protection.Protection` -- the
 overflow event (with the parameters whose gradients were non-finite), rollback to the last good
 state after ``rollback_after`` overflows in a row, the skip budget, the floor policy, the
 forward-overflow replay that moves the overflowing module to fp32 -- and every ``log_every``
@@ -39,43 +39,43 @@ was read (attribution). Everything else stays on the device.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
-import importlib
+import sys
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ampctl.amp import LossScaler, make_precision, match_modules
+from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.checks import FieldError, is_int
 from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision
 from ampctl.amp.scaler import OptState
 from ampctl.amp.stats import grad_stats
-from ampctl.errors import UsageError
-from ampctl.runlog import RunLayout, is_run_dir, prepare_resume
-from ampctl.runlog.writers import atomic_write_text
-from ampctl.train.logger import RunLogger
-from ampctl.train.metrics import DeviceFigures, LogWindow
-from ampctl.train.protection import (
-    ForwardLoss,
-    GuardConfig,
-    Progress,
-    Protection,
-    TrainAborted,
+from ampctl.protect.figures import DeviceFigures, LogWindow, gather_log_figures
+from ampctl.protect.logger import RunLogger
+from ampctl.protect.loss import ForwardLoss
+from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.records import metrics_row, run_summary, write_config
+from ampctl.protect.settings import GuardConfig
+from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
+
+from .common import (
+    IntegrationError,
+    Ranks,
+    count_tokens,
+    inner_optimizer,
+    is_rank0,
+    param_device,
+    share_flags,
+    world_size,
 )
 
-__all__ = [
-    "IntegrationError",
-    "ProtectedRun",
-    "TrainAborted",
-    "require",
-    "inner_optimizer",
-    "reduce_max",
-    "share_flags",
-]
+__all__ = ["LoopInfo", "ProtectedRun", "TrainAborted"]
 
 #: Why a loop with its own autocast cannot fall back to another precision.
 OWN_AUTOCAST = (
@@ -89,86 +89,43 @@ OWN_AUTOCAST = (
 LOOP_PRECISIONS = ("fp16", "bf16", "fp32")
 
 
-class IntegrationError(UsageError):
-    """Bad use of an integration: the message names the argument and what is allowed."""
+@dataclass(frozen=True, kw_only=True)
+class LoopInfo:
+    """How the loop around a :class:`ProtectedRun` behaves: set by an integration (Lightning,
+    HF Trainer ...), left at its defaults by a hand-written loop.
+
+    Args:
+        framework: the name written to ``config.yaml``, the summary and the display title.
+        config: extra entries for ``config.yaml`` (the framework's own settings).
+        fallback_unavailable: why this loop cannot switch precision (None when it can: the
+            caller then follows :attr:`ProtectedRun.precision`'s autocast and scaler after a
+            fallback).
+        is_main: whether this process writes the run folder (default: rank 0).
+        read_skips: with a fused optimizer, read each step's skip flag (one host read per step)
+            so overflows are attributed and decided at once, as on the standard path; for loops
+            that read it anyway (a skip-aware lr schedule). False: decide at the log step.
+    """
+
+    framework: str = "loop"
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fallback_unavailable: str | None = OWN_AUTOCAST
+    is_main: bool | None = None
+    read_skips: bool = False
 
 
-def require(module: str, extra: str, user: str) -> Any:
-    """Import ``module`` for ``user`` (an ampctl module), or raise ImportError with the one-line
-    install hint ``pip install "ampctl[extra]"`` when its package is missing."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        top = module.split(".")[0]
-        if e.name is None or e.name.split(".")[0] != top:
-            raise
-        raise ModuleNotFoundError(
-            f"{user} needs the {top!r} package, which is not installed: "
-            f'pip install "ampctl[{extra}]"',
-            name=e.name,
-        ) from None
+class _Step:
+    """What the calls of one optimizer step brought: the micro-batches (for the replays), the
+    losses handed to :meth:`ProtectedRun.after_step` / :meth:`~ProtectedRun.add_batch` (used when
+    the scaler recorded none), the tokens, and the gradient statistics and lr that
+    :meth:`~ProtectedRun.before_step` took."""
 
-
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside framework wrappers (Accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``): the object a scaler unscales and steps."""
-    seen = 0
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and seen < 8:
-        optimizer = optimizer.optimizer
-        seen += 1
-    return optimizer
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank0() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def reduce_max(flags: torch.Tensor) -> torch.Tensor:
-    """All-reduce MAX of a scaler's overflow flags over the ranks (a collective, no host read):
-    the ``LossScaler.reduce_flags`` that makes every rank skip the same steps."""
-    out = flags.clone()
-    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-    return out
-
-
-def share_flags(scaler: LossScaler) -> None:
-    """Under ``torch.distributed`` with several ranks, make ``scaler``'s skip decisions agree
-    across ranks (a forward overflow is seen by one rank only) unless a hook is set already."""
-    if _world_size() > 1 and scaler.reduce_flags is None:
-        scaler.reduce_flags = reduce_max
-
-
-class _Ranks:
-    """What Protection needs of the process group: the ranks agree on the module a
-    forward-overflow replay located."""
-
-    enabled = True
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * _world_size()
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-
-def _count_tokens(batch: Any) -> int:
-    """Tokens in a batch: the elements of its ``input_ids`` (0 when it has none)."""
-    if isinstance(batch, Mapping):
-        ids = batch.get("input_ids")
-        if isinstance(ids, torch.Tensor):
-            return ids.numel()
-    return 0
-
-
-def _param_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+        self.loss: torch.Tensor | None = None
+        self.tokens = 0
+        self.stats: dict[str, torch.Tensor] | None = None
+        self.stats_step: int | None = None
+        self.lr: Any = None
 
 
 class ProtectedRun:
@@ -184,9 +141,9 @@ class ProtectedRun:
         run_dir: the run folder (created; a folder that already holds a run is refused unless
             this is a resume, see :meth:`start`).
         precision: ``fp16``, ``bf16`` or ``fp32`` -- what the loop's autocast runs (used for the
-            forward-overflow replay, the fp32 exemptions and the records) -- or an ampctl
+            forward-overflow replay, the fp32 modules and the records) -- or an ampctl
             :class:`~ampctl.amp.precision.Precision` plugin that owns the scaler.
-        guard: a :class:`~ampctl.train.protection.GuardConfig` or a mapping of its fields.
+        guard: a :class:`~ampctl.protect.settings.GuardConfig` or a mapping of its fields.
         log_every: write a metrics row every this many optimizer steps (and at ``max_steps``).
         max_steps: the planned number of optimizer steps (rows, display), or None.
         overflow_window: the steps the row's ``overflow_rate`` covers.
@@ -198,15 +155,8 @@ class ProtectedRun:
         progress: what a rollback rewinds besides weights, optimizer state and scale (an object
             with ``state_dict`` / ``load_state_dict``, e.g. the lr scheduler).
         fp32_modules: fnmatch patterns of module names kept in fp32 from the start.
-        framework: the name written to ``config.yaml`` and the display title.
-        config: extra entries for ``config.yaml``.
-        fallback_unavailable: why this loop cannot switch precision (None when it can: the
-            caller then follows :attr:`precision`'s autocast and scaler after a fallback).
-        is_main: whether this process writes the run folder (default: rank 0).
         tensorboard: also write TensorBoard scalars (needs ``tensorboard``).
-        read_skips: with a fused optimizer, read each step's skip flag (one host read per step)
-            so overflows are attributed and decided at once, as on the standard path; for loops
-            that read it anyway (a skip-aware lr schedule). False: decide at the log step.
+        loop: how the loop around the run behaves (:class:`LoopInfo`; integrations set it).
     """
 
     def __init__(
@@ -223,60 +173,35 @@ class ProtectedRun:
         overflow_window: int = 50,
         display: Any = None,
         forward: ForwardLoss | None = None,
-        progress: Progress | None = None,
+        progress: Any = None,
         fp32_modules: Iterable[str] = (),
-        framework: str = "loop",
-        config: Mapping[str, Any] | None = None,
-        fallback_unavailable: str | None = OWN_AUTOCAST,
-        is_main: bool | None = None,
         tensorboard: bool = False,
-        read_skips: bool = False,
+        loop: LoopInfo | None = None,
     ) -> None:
-        for name, value, ok, allowed in (
-            ("log_every", log_every, is_int(log_every) and log_every >= 1, "an integer >= 1"),
-            (
-                "max_steps",
-                max_steps,
-                max_steps is None or (is_int(max_steps) and max_steps >= 1),
-                "None or an integer >= 1",
-            ),
-            (
-                "overflow_window",
-                overflow_window,
-                is_int(overflow_window) and overflow_window >= 1,
-                "an integer >= 1",
-            ),
-        ):
-            if not ok:
-                raise IntegrationError(
-                    f"ProtectedRun: {name}={value!r} is not allowed: {name} must be {allowed}"
-                )
+        _check_counts(log_every=log_every, max_steps=max_steps, overflow_window=overflow_window)
         self.model = model
         self.run_dir = Path(run_dir)
-        self.framework = framework
-        self.read_skips = bool(read_skips)
-        self.log_every = log_every
-        self.max_steps = max_steps
-        self.overflow_window = overflow_window
-        amp = self._precision(precision, scaler, fp32_modules, model)
+        self.loop = loop or LoopInfo()
+        self.log_every, self.max_steps, self.overflow_window = log_every, max_steps, overflow_window
+        self._progress = progress
+        amp = _loop_precision(precision, scaler, fp32_modules, model)
         self.protection = Protection(
             model,
             optimizer,
             amp,
             config=_guard_config(guard),
             emit=self._emit,
-            progress=progress,
+            progress_state=progress.state_dict if progress is not None else None,
             forward=forward,
-            fallback_unavailable=fallback_unavailable,
-            dist=_Ranks() if _world_size() > 1 else None,
+            fallback_unavailable=self.loop.fallback_unavailable,
+            dist=Ranks() if world_size() > 1 else None,
         )
         share_flags(amp.scaler)
-        self.is_main = _rank0() if is_main is None else bool(is_main)
+        self.is_main = is_rank0() if self.loop.is_main is None else bool(self.loop.is_main)
         self._display_arg = display
         self._own_display = False
         self.display: Any = None
         self._tensorboard = tensorboard
-        self._extra_config = dict(config or {})
         self.log: RunLogger | None = None
         self.window = LogWindow()
         self.status: str | None = None
@@ -287,68 +212,19 @@ class ProtectedRun:
         self._started = False
         # the scaler's update count at the last step seen: a call after which it did not change
         # is a micro-batch of gradient accumulation
-        self._updates_seen = self.scaler.num_steps
-        self._batches: list[Any] = []
-        self._step_loss: torch.Tensor | None = None
-        self._step_tokens = 0
+        self._updates_seen = self.scaler.num_updates
+        self._cur = _Step()
         self._tokens_total = 0
-        self._stats: dict[str, torch.Tensor] | None = None
-        self._stats_step: int | None = None
-        self._lr: Any = None
         self._wall_before = 0.0
         self._resumed_from: str | Path | None = None
+        self._exit_hooks: Any = None
         self._t0 = time.perf_counter()
 
-    # ------------------------------------------------------------------ building
-    @staticmethod
-    def _precision(
-        precision: str | Precision,
-        scaler: LossScaler | None,
-        fp32_modules: Iterable[str],
-        model: nn.Module,
-    ) -> Precision:
-        """The ampctl precision plugin for the loop, checked before anything is changed."""
-        if isinstance(precision, Precision):
-            if scaler is not None and scaler is not precision.scaler:
-                raise IntegrationError(
-                    "ProtectedRun: scaler= differs from the precision plugin's scaler; pass one "
-                    "of them (the plugin owns its scaler)"
-                )
-            scaler = precision.scaler
-        elif precision not in LOOP_PRECISIONS:
-            raise IntegrationError(
-                f"ProtectedRun: precision={precision!r} is not allowed: precision must be one "
-                f"of {', '.join(LOOP_PRECISIONS)} (what the loop's autocast runs)"
-                + (
-                    "; fp16-pure and fp8 need ampctl train"
-                    if precision in PRECISIONS or precision == "fp8"
-                    else ""
-                )
-            )
-        if scaler is not None and not isinstance(scaler, LossScaler):
-            raise IntegrationError(
-                f"ProtectedRun: scaler is a {type(scaler).__name__}, not an ampctl LossScaler: "
-                "a GradScaler does not record its skips; use ampctl.amp.LossScaler "
-                "(LossScaler.like_gradscaler(...) behaves as GradScaler bit for bit)"
-            )
-        if scaler is not None and not scaler._check_finite:
-            raise IntegrationError(
-                "ProtectedRun: the scaler is a pure pass-through (enabled=False, "
-                "check_finite=False) and records nothing; use LossScaler(enabled=False), which "
-                "still detects and skips non-finite steps"
-            )
-        if isinstance(precision, Precision):
-            return precision
-        amp = make_precision(
-            precision,
-            fp32_modules=list(fp32_modules),
-            device_type=_param_device(model).type,
-            scaler=scaler or LossScaler(enabled=PLUGINS[precision].needs_scaler),
-        )
-        amp.prepare(model)
-        return amp
-
     # ------------------------------------------------------------------ views
+    @property
+    def framework(self) -> str:
+        return self.loop.framework
+
     @property
     def precision(self) -> Precision:
         """The precision plugin in use (a fallback replaces it)."""
@@ -380,11 +256,11 @@ class ProtectedRun:
     def last_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped: what ``scaler.step`` read, or (fused
         optimizer, nothing read) the scaler's device flag, which **syncs**."""
-        read = self.scaler.last_step_skipped_host
+        read = self.scaler.last_skip_read
         return read if read is not None else self.scaler.last_step_skipped
 
     def _device(self) -> torch.device:
-        return self.scaler.device or _param_device(self.model)
+        return self.scaler.device or param_device(self.model)
 
     def _elapsed(self) -> float:
         return self._wall_before + time.perf_counter() - self._t0
@@ -397,11 +273,26 @@ class ProtectedRun:
         """Open the run folder and keep the starting state as the first snapshot. ``step``: the
         loop's optimizer step count now (default: 0, or the one :meth:`load_state_dict` gave);
         above 0 (or with ``resumed_from``, the checkpoint) this is a resume: rows and events
-        logged after ``step`` by the interrupted run are dropped and a ``resume`` event is
-        written. Called by the first :meth:`after_step` when not called before. No host read."""
+        logged after ``step`` by the interrupted run are dropped, a ``resume`` event is written,
+        and a scaler that was not restored (a fresh one: the loop's checkpoint had none) takes
+        the scale and skip counters the run folder recorded at ``step``. Called by the first
+        :meth:`after_step` when not called before (with the step that call names, minus one).
+        No host read."""
         self._start(step, resumed_from=resumed_from)
         # everything is loaded and no step of this run has been taken: the scaler's count now
-        self._updates_seen = self.scaler.num_steps
+        self._updates_seen = self.scaler.num_updates
+
+    def attach(self, step: int | None = None, *, resumed_from: str | Path | None = None):
+        """:meth:`start` for a loop without a ``with`` block (``while True:``); :meth:`detach`
+        ends the run. If the process exits first, the summary is still written (``failed``
+        after an uncaught exception, else ``ok``). Returns the run."""
+        self.start(step, resumed_from=resumed_from)
+        self._exit_hooks = _ExitHooks(self)
+        return self
+
+    def detach(self, status: str | None = None) -> dict[str, Any]:
+        """End a run started with :meth:`attach`: :meth:`finish` (returns the summary)."""
+        return self.finish(status)
 
     def _start(self, step: int | None = None, *, resumed_from: str | Path | None = None) -> None:
         if self._started:
@@ -415,14 +306,16 @@ class ProtectedRun:
             if not resumed and is_run_dir(self.run_dir):
                 raise IntegrationError(
                     f"run_dir {str(self.run_dir)!r} holds a run already: pick another run_dir "
-                    "(ampctl never mixes two runs in one folder), or resume (start(step=...) "
-                    "with the loop's step)"
+                    "(ampctl never mixes two runs in one folder), or resume it: "
+                    "start(step=N) / attach(step=N), or after_step(step=N+1) on the first step, "
+                    "with the loop's step"
                 )
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resumed:
                 prepare_resume(layout, Path(resumed_from or self.run_dir), step)
             if not layout.config.is_file():
-                atomic_write_text(layout.config, self._config_yaml())
+                write_config(self.run_dir, self._config())
+        restored = resumed and self._restore_scaler(layout, step)
         self.display = self._make_display()
         self.log = RunLogger(
             self.run_dir, is_main=self.is_main, display=self.display, tensorboard=self._tensorboard
@@ -431,11 +324,12 @@ class ProtectedRun:
             self.log.event({"step": step, "kind": "warning", "message": self.log.tb_hint})
         if resumed:
             where = f" from {resumed_from}" if resumed_from is not None else ""
+            scale = f"; the scale {restored:g} from the run folder" if restored else ""
             self.log.event(
                 {
                     "step": step,
                     "kind": "resume",
-                    "message": f"resumed{where} at step {step} ({self.framework})",
+                    "message": f"resumed{where} at step {step} ({self.framework}){scale}",
                 }
             )
         for ev in self._early_events:
@@ -443,8 +337,38 @@ class ProtectedRun:
         self._early_events.clear()
         self._step = step
         self._t0 = time.perf_counter()
+        self.window = LogWindow(first_update=self.scaler.num_updates - self._updates_taken())
         self.protection.start(step)
         self._started = True
+
+    def _updates_taken(self) -> int:
+        """Updates of this run the scaler recorded before :meth:`start` ran (0, or 1 when the
+        first ``after_step`` started the run)."""
+        return self.scaler.num_updates - self._updates_seen
+
+    def _restore_scaler(self, layout: RunLayout, step: int) -> float | None:
+        """A resume whose scaler was not restored (it recorded no step before this run's: the
+        loop's checkpoint kept no scaler, e.g. nanoGPT's): the scale of the last row the run
+        folder wrote at or before ``step``, and its skip counters added to this run's. The
+        growth tracker starts again from 0. Returns the scale taken, or None."""
+        sc = self.scaler
+        taken = self._updates_taken()  # steps of this run already recorded (0 or 1)
+        if sc.num_updates != taken or not sc.is_enabled():
+            return None
+        rows = [r for r in read_jsonl(layout.metrics) if isinstance(r.get("step"), int)]
+        rows = [r for r in rows if r["step"] <= step and is_finite_number(r.get("scale"))]
+        if not rows:
+            return None
+        last = rows[-1]
+        state = sc.state_dict()
+        state["scale"], state["_growth_tracker"] = float(last["scale"]), 0
+        for key, row_key in (
+            ("skipped_total", "skipped"),
+            ("forward_overflows", "forward_overflows"),
+        ):
+            state[key] = int(state.get(key, 0)) + int(last.get(row_key) or 0)
+        sc.load_state_dict(state)
+        return float(last["scale"])
 
     def _make_display(self) -> Any:
         d = self._display_arg
@@ -459,12 +383,11 @@ class ProtectedRun:
             return disp
         return d
 
-    def _config_yaml(self) -> str:
-        from omegaconf import OmegaConf
-
+    def _config(self) -> dict[str, Any]:
+        """What config.yaml records of a loop ampctl did not build: the precision, the
+        scaler's settings, the guard's, the logging cadence and the loop's own entries."""
         sc = self.scaler
-        guard = dataclasses.asdict(self.protection.config)
-        cfg = {
+        return {
             "integration": self.framework,
             "precision": {"name": self.precision.name, "fp32_modules": self.precision.fp32_modules},
             "scaler": {
@@ -478,43 +401,37 @@ class ProtectedRun:
                 "history_size": sc.history_size,
                 "enabled": sc.is_enabled(),
             },
-            "guard": guard,
+            "guard": dataclasses.asdict(self.protection.config),
             "trainer": {
                 "max_steps": self.max_steps,
                 "log_every": self.log_every,
                 "overflow_window": self.overflow_window,
             },
-            **self._extra_config,
+            **self.loop.config,
         }
-        return OmegaConf.to_yaml(OmegaConf.create(cfg))
 
     def __enter__(self) -> ProtectedRun:
         self.start()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            status = None
-        elif issubclass(exc_type, TrainAborted):
-            status = "aborted"
-        elif issubclass(exc_type, KeyboardInterrupt):
-            status = "interrupted"
-        else:
-            status = "failed"
-        self.finish(status)
+        self.finish(_status_of(exc_type))
 
     # ------------------------------------------------------------------ per step
     def add_batch(self, loss: Any = None, batch: Any = None, *, tokens: int | None = None) -> None:
         """Record one micro-batch of the current step: its loss contribution (the loss you
-        backpropagate, before scaling), the batch (for the forward-overflow replay) and its
-        tokens (default: ``batch["input_ids"].numel()``). No host read."""
+        backpropagate; used for the row only when the scaler recorded none, see
+        :meth:`after_step`), the batch (for the forward-overflow replay) and its tokens (default:
+        ``batch["input_ids"].numel()``). No host read."""
+        cur = self._cur
         if loss is not None:
             t = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            t = t.detach().float().mean()
-            self._step_loss = t if self._step_loss is None else self._step_loss + t
+            t = t.detach().float()
+            t = t.mean() if t.numel() != 1 else t.reshape(())
+            cur.loss = t if cur.loss is None else cur.loss + t
         if batch is not None:
-            self._batches.append(batch)
-        self._step_tokens += int(tokens) if tokens is not None else _count_tokens(batch)
+            cur.batches.append(batch)
+        cur.tokens += int(tokens) if tokens is not None else count_tokens(batch)
 
     def before_step(self, step: int | None = None) -> None:
         """Optional: call between the last backward and the optimizer step (before clipping) to
@@ -524,8 +441,9 @@ class ProtectedRun:
         scaled or unscaled gradients (the scaler's stage for the optimizer says which). No host
         read."""
         upcoming = self._step + 1 if step is None else int(step)
-        self._lr = _copy(self.optimizer.param_groups[0]["lr"])
-        if not self._is_log(upcoming) or self._stats_step == upcoming:
+        cur = self._cur
+        cur.lr = _copy(self.optimizer.param_groups[0]["lr"])
+        if not self._is_log(upcoming) or cur.stats_step == upcoming:
             return
         sc = self.scaler
         st = sc._per_optimizer_states.get(id(inner_optimizer(self.optimizer)))
@@ -541,7 +459,7 @@ class ProtectedRun:
         else:
             scale = sc.get_scale_tensor() if sc.is_enabled() else 1.0
             stats = grad_stats(grads, scale if scale is not None else 1.0, dev)
-        self._stats, self._stats_step = stats, upcoming
+        cur.stats, cur.stats_step = stats, upcoming
 
     def _post_step_stats(self) -> dict[str, torch.Tensor] | None:
         """Gradient statistics from what the step left: unscaled unless the optimizer is fused
@@ -549,7 +467,7 @@ class ProtectedRun:
         if self.fused:
             return None
         sc = self.scaler
-        scale = sc.recent_history(1)[0, 1].float() if sc.is_enabled() else 1.0
+        scale = sc.recent_records(1)[0, 0] if sc.is_enabled() else 1.0
         grads = [p.grad for p in self.precision.optimizer_params(self.model)]
         return grad_stats(grads, scale, self._device())
 
@@ -562,103 +480,89 @@ class ProtectedRun:
         tokens: int | None = None,
     ) -> dict[str, Any] | None:
         """Call after ``scaler.update()`` (before the next ``zero_grad()``: attribution reads
-        the step's gradients), with the micro-batch's loss and batch (see :meth:`add_batch`).
-        ``step``: the loop's optimizer step count after this step (default: one more than the
-        last). When the scaler recorded no new step since the last call (gradient accumulation)
-        only the micro-batch is added. Returns the metrics row on a log step, else None.
+        the step's gradients), with the loss and the batch (see :meth:`add_batch`); calling it
+        after every micro-batch as well is fine. ``step``: the loop's optimizer step count after
+        this step (default: one more than the last; on the first call of a run folder that holds
+        a run, ``step=N+1`` resumes it at N).
+
+        The step is the scaler's: a call after which the scaler recorded no new ``update()``
+        only adds its micro-batch. The row's loss is what the scaler saw: the sum of the losses
+        ``scaler.scale()`` was given during the step (every micro-batch's ``loss / accum``), so
+        gradient accumulation needs no extra call; only when the scaler recorded none are the
+        losses handed here summed instead. Returns the metrics row on a log step, else None.
 
         Host reads: see the module docstring. May raise
-        :class:`~ampctl.train.protection.TrainAborted` (the guard gave up)."""
+        :class:`~ampctl.protect.protection.TrainAborted` (the guard gave up)."""
         if not self._started:
             # the scaler's count was taken when the run was built (or loaded): this call may
             # follow the run's first update already
-            self._start()
+            self._start(None if step is None or self._step else max(int(step) - 1, 0))
         self.add_batch(loss, batch, tokens=tokens)
-        n = self.scaler.num_steps
+        n = self.scaler.num_updates
         if n == self._updates_seen:
             return None
         self._updates_seen = n
         self._step = self._step + 1 if step is None else int(step)
         step = self._step
-        skipped = self.scaler.last_step_skipped_host
-        if skipped is None and self.read_skips:
+        skipped = self.scaler.last_skip_read
+        if skipped is None and self.loop.read_skips:
             skipped = self.scaler.last_step_skipped  # syncs (the caller reads it anyway)
-        batches, self._batches = self._batches, []
-        step_loss, self._step_loss = self._step_loss, None
-        tokens_n, self._step_tokens = self._step_tokens, 0
-        self._tokens_total += tokens_n
-        if step_loss is not None:
-            self.window.add(step_loss, tokens_n)
-        else:
-            self.window.tokens += tokens_n
+        cur, self._cur = self._cur, _Step()
+        self._tokens_total += cur.tokens
+        self.window.tokens += cur.tokens
+        if self.scaler.last_step_loss is None and cur.loss is not None:
+            self.window.add(cur.loss)  # the scaler saw no loss: the ones handed over
         log = self._is_log(step)
-        stats = self._stats if self._stats_step == step else None
-        self._stats, self._stats_step = None, None
+        stats = cur.stats if cur.stats_step == step else None
         if log and stats is None:
             stats = self._post_step_stats()
-        lr, self._lr = self._lr, None
         try:
-            self.protection.after_step(step, skipped=skipped, batches=batches or None)
-            return self._log_row(step, stats, lr) if log else None
+            self._apply(
+                self.protection.after_step(step, skipped=skipped, batches=cur.batches or None)
+            )
+            return self._log_row(step, stats, cur.lr) if log else None
         except TrainAborted:
             self.status = "aborted"
             raise
 
     def _log_row(self, step: int, stats: dict[str, torch.Tensor] | None, lr: Any) -> dict[str, Any]:
-        """Read the interval's figures in one transfer, write the row, then take the guard's
-        waiting decisions (fused optimizer). **Syncs** once."""
+        """Read the interval's figures in one transfer, take the guard's waiting decisions
+        (fused optimizer), then write the row. **Syncs** once."""
         fig = DeviceFigures(self._device())
-        w = self.window
-        fig.add("loss_sum", w.loss_sum if w.loss_sum is not None else 0.0)
-        fig.add("loss_n", w.loss_n if w.loss_n is not None else 0.0)
-        if stats is not None:
-            fig.add("grad_norm_sq", stats["grad_norm"] ** 2)
-            fig.add("grad_underflow", stats["grad_underflow"])
-            fig.add("grad_elems", stats["grad_elems"])
-            fig.add("nonfinite_grads", stats["nonfinite_grads"])
-            fig.add("grad_amax", stats["grad_amax"])
-        for k, v in self.scaler.device_counters().items():
-            fig.add(k, v)
-        fig.add("recent_skips", self.scaler.recent_skips(self.overflow_window))
-        fig.add("lr", lr if lr is not None else _copy(self.optimizer.param_groups[0]["lr"]))
-        pending = self.protection.pending_reads()
-        if pending is not None:
-            fig.add("guard", pending, vector=True)
+        gather_log_figures(
+            fig,
+            window=self.window,
+            stats=stats,
+            scaler=self.scaler,
+            overflow_window=self.overflow_window,
+            lr=lr if lr is not None else _copy(self.optimizer.param_groups[0]["lr"]),
+            protection=self.protection,
+        )
         v = fig.read()  # the log read
-        window, self.window = self.window, LogWindow()
-        dt = max(time.perf_counter() - window.t0, 1e-9)
-        n = self.scaler.num_steps
-        row: dict[str, Any] = {
-            "step": step,
-            "loss": v["loss_sum"] / v["loss_n"] if v["loss_n"] > 0 else float("nan"),
-            "scale": v["scale"] if self.scaler.is_enabled() else 1.0,
-            "skipped": int(v["skipped_total"]),
-            "forward_overflows": int(v["forward_overflows"]),
-            "consecutive_overflows": int(v["consecutive_overflows"]),
-            "overflow_rate": v["recent_skips"] / max(min(self.overflow_window, n), 1),
-            "lr": v["lr"],
-            "precision": self.precision.name,
-            "tokens_per_s": window.tokens / dt if window.tokens else None,
-            "elapsed_s": self._elapsed(),
-            "max_steps": self.max_steps,
-            "grad_norm": None,
-            "grad_amax": None,
-            "grad_underflow_frac": None,
-            "nonfinite_grads": None,
-        }
-        if stats is not None:
-            row.update(
-                grad_norm=max(v["grad_norm_sq"], 0.0) ** 0.5,
-                grad_amax=v["grad_amax"],
-                grad_underflow_frac=v["grad_underflow"] / max(v["grad_elems"], 1),
-                nonfinite_grads=int(v["nonfinite_grads"]),
-            )
+        window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
+        self._apply(self.protection.on_log_read(v))
+        row = metrics_row(
+            v,
+            step=step,
+            scaler=self.scaler,
+            precision=self.precision.name,
+            overflow_window=self.overflow_window,
+            max_steps=self.max_steps,
+            tokens=window.tokens,
+            seconds=time.perf_counter() - window.t0,
+            elapsed_s=self._elapsed(),
+        )
         self.last_row = row
         assert self.log is not None
         self.log.metrics(row)
-        if "guard" in v:
-            self.protection.on_read(v["guard"])
         return row
+
+    def _apply(self, rewind: Rewind | None) -> None:
+        """A rollback or fallback restored weights, optimizer state and scale: put the caller's
+        ``progress`` (e.g. the lr scheduler) back too. The loop's own step counter and data go
+        on (this run does not own them)."""
+        if rewind is not None and self._progress is not None and rewind.progress is not None:
+            self._progress.load_state_dict(rewind.progress)
 
     # ------------------------------------------------------------------ events
     def _emit(self, ev: dict[str, Any]) -> None:
@@ -678,38 +582,33 @@ class ProtectedRun:
         ``interrupted`` or ``failed``. A second call returns the same summary."""
         if self.summary is not None:
             return self.summary
+        if self._exit_hooks is not None:
+            self._exit_hooks.remove()
+            self._exit_hooks = None
         if not self._started:  # nothing ran (or start() refused the folder): nothing to write
             self.summary = {"status": status or self.status or "failed", "steps": self._step}
             return self.summary
         status = status or self.status or "ok"
         if status == "ok":
             try:
-                self.protection.sync()
+                self._apply(self.protection.sync())
             except TrainAborted:
                 status = "aborted"
         self.status = status
-        st = self.scaler.stats()
-        wall = self._elapsed()
-        configured = set(match_modules(self.model, self.precision.fp32_modules))
         assert self.log is not None
-        summary: dict[str, Any] = {
-            "status": status,
-            "framework": self.framework,
-            "final_loss": self.last_row.get("loss"),
-            "steps": self._step,
-            "max_steps": self.max_steps,
-            "skipped": st["skipped_total"],
-            "forward_overflows": st["forward_overflows"],
-            "overflow_rate": st["skipped_total"] / max(st["steps"], 1),
-            "final_scale": st["scale"],
-            "precision": self.precision.name,
-            "promoted_modules": [m for m in self.precision.exempted if m not in configured],
-            "fp32_modules": list(self.precision.exempted),
-            "events": self.log.event_counts() if self.is_main else {},
-            "wall_time_s": wall,
-            "tokens_per_s": self._tokens_total / max(wall, 1e-9) if self._tokens_total else None,
-            "run_dir": str(self.run_dir),
-        }
+        summary = run_summary(
+            status,
+            framework=self.framework,
+            model=self.model,
+            precision=self.precision,
+            final_loss=self.last_row.get("loss"),
+            steps=self._step,
+            max_steps=self.max_steps,
+            events=self.log.event_counts() if self.is_main else {},
+            wall_s=self._elapsed(),
+            tokens=self._tokens_total,
+            run_dir=self.run_dir,
+        )
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
@@ -724,13 +623,13 @@ class ProtectedRun:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint of the loop should keep so a resume continues the run: the step,
-        the scaler's update count, the guard's history, tokens, wall time, the precision and
-        the modules moved to fp32. Plain numbers, strings and lists (JSON and ``weights_only``
-        safe). No host read."""
+        the scaler's update count, the protection's history, tokens, wall time, the precision
+        and the modules kept in fp32. Plain numbers, strings and lists (JSON and
+        ``weights_only`` safe). No host read."""
         return {
             "step": self._step,
-            "updates": self.scaler.num_steps,
-            "guard": self.protection.state_dict(),
+            "updates": self.scaler.num_updates,
+            "protection": self.protection.state_dict(),
             "tokens": self._tokens_total,
             "wall_s": self._elapsed(),
             "precision": self.precision.name,
@@ -740,29 +639,131 @@ class ProtectedRun:
     def load_state_dict(
         self, state: Mapping[str, Any], *, resumed_from: str | Path | None = None
     ) -> None:
-        """Restore :meth:`state_dict` (before :meth:`start`): the step, the guard's history,
-        and the fp32 exemptions the guard had made. ``resumed_from``: the checkpoint, named in
-        the ``resume`` event when :meth:`start` is not given one."""
+        """Restore :meth:`state_dict` (before :meth:`start`): the step, the protection's
+        history (``"guard"`` in checkpoints of ampctl 0.2 and older), and the modules the guard
+        had kept in fp32. ``resumed_from``: the checkpoint, named in the ``resume`` event when
+        :meth:`start` is not given one."""
         if self._started:
             raise IntegrationError(
                 "ProtectedRun.load_state_dict: call it before the first step (before start())"
             )
         self._step = int(state.get("step", 0))
         # the scaler restored from the same checkpoint has this count
-        self._updates_seen = int(state.get("updates", self.scaler.num_steps))
+        self._updates_seen = int(state.get("updates", self.scaler.num_updates))
         self._resumed_from = resumed_from
-        self.protection.load_state_dict(dict(state.get("guard", {})))
+        self.protection.load_state_dict(dict(state.get("protection", state.get("guard", {}))))
         self._tokens_total = int(state.get("tokens", 0))
         self._wall_before = float(state.get("wall_s", 0.0))
         for name in state.get("exempted", []):
             try:
                 self.precision.exempt(self.model, name)
-            except AttributeError:  # the module is gone (another model): nothing to exempt
+            except AttributeError:  # the module is gone (another model): nothing to keep
                 continue
+
+
+class _ExitHooks:
+    """A run started with :meth:`ProtectedRun.attach` writes its summary even if the process
+    exits without :meth:`~ProtectedRun.detach`: ``failed`` after an uncaught exception (seen
+    through ``sys.excepthook``), else ``ok``."""
+
+    def __init__(self, run: ProtectedRun) -> None:
+        self.run = run
+        self.failed: str | None = None
+        self._previous = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self._at_exit)
+
+    def _excepthook(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.failed = _status_of(exc_type)
+        self._previous(exc_type, exc, tb)
+
+    def _at_exit(self) -> None:
+        if self.run.summary is None:
+            self.run.finish(self.failed)
+
+    def remove(self) -> None:
+        atexit.unregister(self._at_exit)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous
+
+
+def _status_of(exc_type: Any) -> str | None:
+    """The run's status after ``exc_type`` (None: no exception, the default status)."""
+    if exc_type is None:
+        return None
+    if issubclass(exc_type, TrainAborted):
+        return "aborted"
+    if issubclass(exc_type, KeyboardInterrupt):
+        return "interrupted"
+    return "failed"
+
+
+def _scalar(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A recorded loss as one fp32 number on the device (its mean when it has several). No host
+    read."""
+    if t is None:
+        return None
+    t = t.float()
+    return t.mean() if t.numel() != 1 else t.reshape(())
 
 
 def _copy(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _check_counts(**counts: int | None) -> None:
+    """The run's cadence arguments: one line naming the argument that is off."""
+    for name, value in counts.items():
+        ok = (value is None and name == "max_steps") or (is_int(value) and value >= 1)
+        if not ok:
+            allowed = "None or an integer >= 1" if name == "max_steps" else "an integer >= 1"
+            raise IntegrationError(
+                f"ProtectedRun: {name}={value!r} is not allowed: {name} must be {allowed}"
+            )
+
+
+def _loop_precision(
+    precision: str | Precision,
+    scaler: LossScaler | None,
+    fp32_modules: Iterable[str],
+    model: nn.Module,
+) -> Precision:
+    """The ampctl precision plugin for the loop, checked before anything is changed."""
+    if isinstance(precision, Precision):
+        if scaler is not None and scaler is not precision.scaler:
+            raise IntegrationError(
+                "ProtectedRun: scaler= differs from the precision plugin's scaler; pass one "
+                "of them (the plugin owns its scaler)"
+            )
+        scaler = precision.scaler
+    elif precision not in LOOP_PRECISIONS:
+        raise IntegrationError(
+            f"ProtectedRun: precision={precision!r} is not allowed: precision must be one "
+            f"of {', '.join(LOOP_PRECISIONS)} (what the loop's autocast runs)"
+            + ("; fp16-pure and fp8 need ampctl train" if precision in PRECISIONS else "")
+        )
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise IntegrationError(
+            f"ProtectedRun: scaler is a {type(scaler).__name__}, not an ampctl LossScaler: "
+            "a GradScaler does not record its skips; use ampctl.amp.LossScaler "
+            "(LossScaler.like_gradscaler(...) behaves as GradScaler bit for bit)"
+        )
+    if scaler is not None and not scaler._check_finite:
+        raise IntegrationError(
+            "ProtectedRun: the scaler is a pure pass-through (enabled=False, "
+            "check_finite=False) and records nothing; use LossScaler(enabled=False), which "
+            "still detects and skips non-finite steps"
+        )
+    if isinstance(precision, Precision):
+        return precision
+    amp = make_precision(
+        precision,
+        fp32_modules=list(fp32_modules),
+        device_type=param_device(model).type,
+        scaler=scaler or LossScaler(enabled=PLUGINS[precision].needs_scaler),
+    )
+    amp.prepare(model)
+    return amp
 
 
 def _guard_config(guard: GuardConfig | Mapping[str, Any] | None) -> GuardConfig:
