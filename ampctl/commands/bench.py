@@ -785,9 +785,7 @@ def bench(
 
 # ---------------------------------------------------------------------------- output
 def _fmt_s(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+    return "-" if x is None else (f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s")
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
