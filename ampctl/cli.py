@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+# torch warns at import when NumPy is missing; ampctl never uses NumPy (core installs lack it,
+# and nothing it does needs it), so a first `ampctl train` must not greet the user with it
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 app = typer.Typer(
     name="ampctl",

@@ -785,9 +785,7 @@ def bench(
 
 # ---------------------------------------------------------------------------- output
 def _fmt_s(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+    return "-" if x is None else (f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s")
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -798,6 +796,7 @@ def print_report(res: dict[str, Any], console: Any = None) -> None:
     """Print the figures as rich tables (what ``ampctl bench`` shows without ``--json``)."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = console or Console()
     meta = res["meta"]
@@ -849,7 +848,7 @@ def print_report(res: dict[str, Any], console: Any = None) -> None:
                 else hr.get("fused_error") or "-"
             )
             name = "host reads / step" + (", fused AdamW" if label == "fused" else "")
-            t.add_row(name, _fmt(v, "g"), f"{goal}{mark}", detail)
+            t.add_row(name, _fmt(v, "g"), f"{goal}{mark}", Text(detail))  # errors as written
     if t.row_count:
         console.print(t)
     pr = res.get("precision")
@@ -870,7 +869,7 @@ def print_report(res: dict[str, Any], console: Any = None) -> None:
                 "-" if row["speed_vs_fp32"] is None else f"{row['speed_vs_fp32']:.2f}x",
                 "-" if row.get("speed_vs_bf16") is None else f"{row['speed_vs_bf16']:.2f}x",
                 "-" if row["peak_mem_mib"] is None else f"{row['peak_mem_mib']:,.1f} MiB",
-                row["error"] or "",
+                Text(row["error"] or ""),  # as written: install hints hold "[fp8]"
             )
         console.print(p)
         console.print(f"peak memory: {pr['memory_method']}", highlight=False, style="dim")

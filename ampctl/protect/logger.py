@@ -37,6 +37,8 @@ class RunLogger:
         self.display = display if is_main else None
         self.tb = None
         self.tb_hint: str | None = None
+        if is_main:  # every run folder has events.jsonl, empty while nothing happened
+            self.layout.events.touch()
         if is_main and tensorboard:
             sink = make_tensorboard_sink(run_dir, True)
             self.tb, self.tb_hint = (None, sink) if isinstance(sink, str) else (sink, None)

@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from ampctl.amp import fp8
 from ampctl.cli import app
 from ampctl.commands.bench import (
     SECTIONS,
@@ -23,6 +24,7 @@ from ampctl.commands.bench import (
     plan,
     print_report,
 )
+from ampctl.errors import UsageError
 from ampctl.runlog.writers import new_run_dir
 from tests.conftest import FAST
 
@@ -81,6 +83,14 @@ HOST_READ_KEYS = {
 ROW_KEYS = {"step_s", "tokens_per_s", "speed_vs_fp32", "speed_vs_bf16", "peak_mem_mib", "error"}
 
 
+def _has_torchao() -> bool:
+    try:
+        fp8.require_torchao()
+    except UsageError:
+        return False
+    return True
+
+
 def _positive_finite(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -130,6 +140,7 @@ def test_host_reads_are_exactly_one_and_zero(cli_json):
     assert hr["fused_error"] is None
 
 
+@pytest.mark.extras  # the fp8 row: measured with torchao, its install hint without
 def test_ratios_and_times_are_positive_finite(cli_json):
     res = json.loads(cli_json.stdout)
     ov, oc = res["overhead"], res["overflow_check"]
@@ -138,6 +149,9 @@ def test_ratios_and_times_are_positive_finite(cli_json):
     for x in (oc["ratio"], oc["naive_median_s"], oc["fused_median_s"]):
         assert _positive_finite(x)
     for name, row in res["precision"]["rows"].items():
+        if name == "fp8" and not _has_torchao():  # [test] alone: the row says how to get it
+            assert row == {**dict.fromkeys(ROW_KEYS), "error": fp8.HINT}
+            continue
         assert row["error"] is None, name
         for key in ("step_s", "tokens_per_s", "speed_vs_fp32", "speed_vs_bf16", "peak_mem_mib"):
             assert _positive_finite(row[key]), (name, key, row[key])
@@ -183,6 +197,17 @@ def test_report_prints_every_figure(cli_json):
         f"{res['overhead']['ratio']:.3f}",
     ):
         assert fragment in text, fragment
+
+
+def test_a_row_error_is_printed_as_written_not_as_rich_markup(cli_json):
+    res = json.loads(cli_json.stdout)
+    res["precision"]["rows"]["fp8"]["error"] = fp8.HINT
+    res["precision"]["rows"]["bf16"]["error"] = "[bold]not markup[/bold]"
+    console = Console(record=True, width=300)
+    print_report(res, console=console)
+    text = console.export_text()
+    assert 'pip install "ampctl[fp8]"' in text  # Rich would eat "[fp8]" as a style tag
+    assert "[bold]not markup[/bold]" in text
 
 
 def test_library_runs_chosen_sections_and_counts_fp32_reads(fast_cfg):

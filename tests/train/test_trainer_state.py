@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ampctl.cli import app
 from ampctl.runlog import RunLayout
 from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
@@ -175,13 +177,7 @@ def test_kill_inside_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, 
     run = RunLayout(tmp_path / "runs" / "k")
     assert [p.name for p in run.checkpoints()] == ["step_00000004.pt"]
     assert load_checkpoint(run.root)["step"] == 4
-    r = subprocess.run(
-        [sys.executable, "-m", "ampctl", "train", "--resume", str(run.root), "-q"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(app, ["train", "--resume", str(run.root), "-q"])  # in-process
+    assert r.exit_code == 0, r.output
     assert load_checkpoint(run.root)["step"] == 12
     assert [row["step"] for row in read_jsonl(run.metrics)] == [4, 8, 12]
