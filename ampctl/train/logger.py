@@ -1,13 +1,15 @@
 """The run's loggers behind one call each (torchtitan's metrics logger container): a metrics
-row, an event or the summary goes to the run folder, the display and TensorBoard at once.
+row, an event or the summary goes to the run folder, the display and the sinks that
+``logging.*`` enables (TensorBoard, MLflow, W&B: :mod:`ampctl.ui.sinks`) at once.
 
-Only the main rank writes; on other ranks every call is a no-op. A failing display or
-TensorBoard write never stops training (the display swallows its own errors; a TensorBoard
-failure is turned into one warning event).
+Only the main rank writes; on other ranks every call is a no-op. A failing display or sink
+never stops training (the display swallows its own errors; a sink that fails is dropped after
+one warning event).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,24 +17,51 @@ from typing import Any
 
 from ampctl.amp.checks import need
 from ampctl.runlog import RunLayout, RunWriter, read_jsonl
-from ampctl.ui.tensorboard import make_tensorboard_sink
+from ampctl.ui.sinks import Sinks
+from ampctl.ui.wandb_sink import MODES as WANDB_MODES
 
 __all__ = ["RunLogger"]
 
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    """``logging.*``: extra sinks, the end-of-run plot, and the log-step activation-gradient
-    underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only)."""
+    """``logging.*``: extra sinks (TensorBoard, MLflow, W&B), the end-of-run plot, and the
+    log-step activation-gradient underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only).
+    ``mlflow_uri`` None: a SQLite store in the run folder; ``wandb_mode`` offline: nothing
+    leaves the machine (:mod:`ampctl.ui.mlflow_sink`, :mod:`ampctl.ui.wandb_sink`)."""
 
     tensorboard: bool = False
+    mlflow: bool = False
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "ampctl"
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "ampctl"
     plot: bool = True
     act_grads: bool = True
 
     def __post_init__(self) -> None:
-        for k in ("tensorboard", "plot", "act_grads"):
+        for k in ("tensorboard", "mlflow", "wandb", "plot", "act_grads"):
             v = getattr(self, k)
             need(isinstance(v, bool), self, k, v, "true or false")
+        u = self.mlflow_uri
+        need(
+            u is None or (isinstance(u, str) and u.strip() != ""),
+            self,
+            "mlflow_uri",
+            u,
+            "null (a store in the run folder) or a tracking URI",
+        )
+        for k in ("mlflow_experiment", "wandb_project"):
+            v = getattr(self, k)
+            need(isinstance(v, str) and v.strip() != "", self, k, v, "a non-empty name")
+        need(
+            self.wandb_mode in WANDB_MODES,
+            self,
+            "wandb_mode",
+            self.wandb_mode,
+            " or ".join(WANDB_MODES),
+        )
 
 
 class RunLogger:
@@ -43,27 +72,46 @@ class RunLogger:
         is_main: whether this process writes (rank 0).
         display: object with ``update(row)``, ``event(ev)``, ``summary(s)``, or None.
         tensorboard: also write TensorBoard scalars and event text (needs ``tensorboard``).
+        logging: the :class:`LoggingConfig` whose sinks to open (``tensorboard=True`` adds
+            TensorBoard to it).
+
+    The sinks open in :meth:`open` (the start of training: they get the config and the events
+    recorded since the logger was made) and end in :meth:`close`.
     """
 
     def __init__(
-        self, run_dir: Path, *, is_main: bool = True, display: Any = None, tensorboard: bool = False
+        self,
+        run_dir: Path,
+        *,
+        is_main: bool = True,
+        display: Any = None,
+        tensorboard: bool = False,
+        logging: LoggingConfig | None = None,
     ) -> None:
         self.layout = RunLayout(Path(run_dir))
         self.writer = RunWriter(run_dir)
         self.is_main = is_main
         self.display = display if is_main else None
-        self.tb = None
-        self.tb_hint: str | None = None
-        if is_main and tensorboard:
-            sink = make_tensorboard_sink(run_dir, True)
-            self.tb, self.tb_hint = (None, sink) if isinstance(sink, str) else (sink, None)
+        lg = logging or LoggingConfig()
+        if tensorboard and not lg.tensorboard:
+            lg = dataclasses.replace(lg, tensorboard=True)
+        self.sinks = Sinks(Path(run_dir), lg, self._warn)
+
+    def _warn(self, step: int, message: str) -> None:
+        self.event({"step": step, "kind": "warning", "message": message})
+
+    def open(self, step: int, config: dict[str, Any]) -> None:
+        """Open the sinks ``logging.*`` enables (once), with ``config`` as the run's
+        parameters; a sink that cannot start (its package missing, its store refusing) becomes
+        one warning event at ``step``."""
+        if self.is_main:
+            self.sinks.open(step, config, self.layout.root.name)
 
     def metrics(self, row: dict[str, Any]) -> None:
         if not self.is_main:
             return
         self.writer.metrics(row)
-        if self.tb is not None:
-            self.tb.log_metrics(row)
+        self.sinks.metrics(row)
         if self.display is not None:
             self.display.update(row)
 
@@ -74,8 +122,7 @@ class RunLogger:
         ev = {**ev}
         ev.setdefault("time", time.time())
         self.writer.event(ev)
-        if self.tb is not None:
-            self.tb.log_event(ev)
+        self.sinks.event(ev)
         if self.display is not None:
             self.display.event(ev)
 
@@ -95,9 +142,15 @@ class RunLogger:
             self.writer.summary(summary)
         except OSError as e:
             return f"summary.json not written: {e.strerror or e}"
+        finally:
+            self.sinks.summary(summary)
         return None
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+    def artifact(self, path: Path) -> None:
+        """A file of the run folder (the plot) for the sinks to keep with the run."""
+        if self.is_main:
+            self.sinks.artifact(Path(path))
+
+    def close(self, status: str = "ok") -> None:
+        """End the sinks (idempotent); ``status`` is the run's."""
+        self.sinks.close(status)
