@@ -57,7 +57,7 @@ from ampctl.amp.stats import grad_stats
 from ampctl.errors import UsageError
 from ampctl.runlog import RunLayout, is_run_dir, prepare_resume
 from ampctl.runlog.writers import atomic_write_text
-from ampctl.train.logger import RunLogger
+from ampctl.train.logger import LoggingConfig, RunLogger
 from ampctl.train.metrics import DeviceFigures, LogWindow
 from ampctl.train.protection import (
     ForwardLoss,
@@ -204,6 +204,11 @@ class ProtectedRun:
             caller then follows :attr:`precision`'s autocast and scaler after a fallback).
         is_main: whether this process writes the run folder (default: rank 0).
         tensorboard: also write TensorBoard scalars (needs ``tensorboard``).
+        logging: a :class:`~ampctl.train.logger.LoggingConfig` or a mapping of its fields: the
+            sinks beside the run folder (``tensorboard``, ``mlflow``, ``wandb`` and their
+            ``mlflow_uri``, ``wandb_mode`` ...; see ``ampctl train``'s ``logging.*``), and
+            ``plot`` (default true: draw ``plot.png`` at :meth:`finish`, when matplotlib is
+            installed, and send it to the sinks). Without it: only ``tensorboard=``, no plot.
         read_skips: with a fused optimizer, read each step's skip flag (one host read per step)
             so overflows are attributed and decided at once, as on the standard path; for loops
             that read it anyway (a skip-aware lr schedule). False: decide at the log step.
@@ -230,6 +235,7 @@ class ProtectedRun:
         fallback_unavailable: str | None = OWN_AUTOCAST,
         is_main: bool | None = None,
         tensorboard: bool = False,
+        logging: LoggingConfig | Mapping[str, Any] | None = None,
         read_skips: bool = False,
     ) -> None:
         for name, value, ok, allowed in (
@@ -251,6 +257,9 @@ class ProtectedRun:
                 raise IntegrationError(
                     f"ProtectedRun: {name}={value!r} is not allowed: {name} must be {allowed}"
                 )
+        self._logging = (
+            _fields_arg(LoggingConfig, logging, "logging") if logging is not None else None
+        )
         self.model = model
         self.run_dir = Path(run_dir)
         self.framework = framework
@@ -263,7 +272,7 @@ class ProtectedRun:
             model,
             optimizer,
             amp,
-            config=_guard_config(guard),
+            config=_fields_arg(GuardConfig, guard, "guard") if guard is not None else GuardConfig(),
             emit=self._emit,
             progress=progress,
             forward=forward,
@@ -276,6 +285,7 @@ class ProtectedRun:
         self._own_display = False
         self.display: Any = None
         self._tensorboard = tensorboard
+        self._plot = self._logging is not None and self._logging.plot
         self._extra_config = dict(config or {})
         self.log: RunLogger | None = None
         self.window = LogWindow()
@@ -425,10 +435,13 @@ class ProtectedRun:
                 atomic_write_text(layout.config, self._config_yaml())
         self.display = self._make_display()
         self.log = RunLogger(
-            self.run_dir, is_main=self.is_main, display=self.display, tensorboard=self._tensorboard
+            self.run_dir,
+            is_main=self.is_main,
+            display=self.display,
+            tensorboard=self._tensorboard,
+            logging=self._logging,
         )
-        if self.log.tb_hint:
-            self.log.event({"step": step, "kind": "warning", "message": self.log.tb_hint})
+        self.log.open(step, self._config())
         if resumed:
             where = f" from {resumed_from}" if resumed_from is not None else ""
             self.log.event(
@@ -462,9 +475,13 @@ class ProtectedRun:
     def _config_yaml(self) -> str:
         from omegaconf import OmegaConf
 
+        return OmegaConf.to_yaml(OmegaConf.create(self._config()))
+
+    def _config(self) -> dict[str, Any]:
+        """What ``config.yaml`` holds (and the sinks get as the run's parameters)."""
         sc = self.scaler
         guard = dataclasses.asdict(self.protection.config)
-        cfg = {
+        return {
             "integration": self.framework,
             "precision": {"name": self.precision.name, "fp32_modules": self.precision.fp32_modules},
             "scaler": {
@@ -486,7 +503,6 @@ class ProtectedRun:
             },
             **self._extra_config,
         }
-        return OmegaConf.to_yaml(OmegaConf.create(cfg))
 
     def __enter__(self) -> ProtectedRun:
         self.start()
@@ -713,13 +729,23 @@ class ProtectedRun:
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
-        self.log.close()
+        if self._plot and self.is_main:
+            self._send_plot()
+        self.log.close(status)
         if self.display is not None and callable(getattr(self.display, "summary", None)):
             self.display.summary(summary)
         if self._own_display and self.display is not None:
             self.display.__exit__(None, None, None)
         self.summary = summary
         return summary
+
+    def _send_plot(self) -> None:
+        """``plot.png`` into the run folder and to the sinks (nothing without matplotlib)."""
+        from ampctl.commands.plot import maybe_plot_run
+
+        got = maybe_plot_run(self.run_dir)
+        if isinstance(got, Path) and self.log is not None:
+            self.log.artifact(got)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -765,23 +791,23 @@ def _copy(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _guard_config(guard: GuardConfig | Mapping[str, Any] | None) -> GuardConfig:
-    if guard is None:
-        return GuardConfig()
-    if isinstance(guard, GuardConfig):
-        return guard
-    if not isinstance(guard, Mapping):
+def _fields_arg(cls: type, value: Any, arg: str) -> Any:
+    """``value`` as a ``cls`` config (``GuardConfig``, ``LoggingConfig``): one already, or a
+    mapping of its fields; anything else is an :class:`IntegrationError` naming ``arg``."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
         raise IntegrationError(
-            f"ProtectedRun: guard={guard!r} is not allowed: guard must be a GuardConfig or a "
+            f"ProtectedRun: {arg}={value!r} is not allowed: {arg} must be a {cls.__name__} or a "
             "mapping of its fields"
         )
-    names = {f.name for f in dataclasses.fields(GuardConfig)}
-    unknown = sorted(set(guard) - names)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
     if unknown:
         raise IntegrationError(
-            f"ProtectedRun: guard has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
+            f"ProtectedRun: {arg} has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
         )
     try:
-        return GuardConfig(**guard)
+        return cls(**value)
     except FieldError as e:
-        raise IntegrationError(e.named("guard")) from None
+        raise IntegrationError(e.named(arg)) from None
