@@ -38,7 +38,9 @@ def mlflow_template(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _no_stray_runs():
+def _no_stray_runs(monkeypatch):
+    """End what a failed test left active, before monkeypatch restores the environment and the
+    working directory (an MLflow run ended later would be written to ./mlflow.db)."""
     import mlflow
     import wandb
 
