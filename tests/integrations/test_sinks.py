@@ -171,3 +171,23 @@ def test_hf_trainer_figures_join_its_own_mlflow_and_wandb_runs(
         numeric_series(rows), {k: v for k, v in wgot.items() if "/events/" not in k}
     )
     assert json.loads(json.dumps(mrun.data.params["ampctl.trainer.max_steps"])) == "6"
+
+
+def test_lightning_callback_passes_logging_to_the_sinks(tmp_path, mlflow_template):
+    pytest.importorskip("lightning")
+    from ampctl.integrations.lightning import AmpctlCallback
+    from tests.integrations.test_lightning import Lit, _loader, _trainer
+
+    d = tmp_path / "lit"
+    seed_store(mlflow_template, d)
+    torch.manual_seed(0)
+    cb = AmpctlCallback(d, precision="fp16", log_every=2, logging={"mlflow": True, "plot": False})
+    _trainer(6, [cb], tmp_path).fit(Lit(plant={3}), _loader())
+    rows = read_jsonl(d / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    client, mrun = mlflow_run(local_uri(d))
+    got = _mlflow_histories(client, mrun)
+    assert_series_equal(numeric_series(rows), got)
+    assert got["ampctl/events/overflow"] == [(3, 1.0)]
+    assert mrun.data.params["integration"] == "lightning"
+    assert not (d / "plot.png").exists()  # plot=False
