@@ -29,6 +29,7 @@ failure waiting about four minutes); the process's environment is restored after
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ __all__ = ["MlflowSink", "LOCAL_STORE", "LOCAL_ARTIFACTS"]
 LOCAL_STORE = "mlruns.db"
 LOCAL_ARTIFACTS = "mlartifacts"
 _STATUS = {"ok": "FINISHED", "aborted": "FAILED", "failed": "FAILED", "interrupted": "KILLED"}
+_SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
@@ -53,6 +55,19 @@ def _require():
     from mlflow.tracking import MlflowClient
 
     return mlflow, MlflowClient
+
+
+def _require_sql(uri: str) -> None:
+    """What MLflow's database stores (the default one is SQLite) need and mlflow-skinny leaves
+    out: ModuleNotFoundError naming the missing package (the factory's install hint). Without
+    this check MLflow reports it as an unsupported model-registry URI."""
+    if uri.split(":", 1)[0].split("+")[0] not in _SQL_SCHEMES:
+        return
+    for module in ("sqlalchemy", "alembic"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ModuleNotFoundError(f"{module} is needed for an SQL store", name=module) from None
 
 
 @contextlib.contextmanager
@@ -90,8 +105,9 @@ class MlflowSink:
         run_name: the MLflow run's name (the run folder's).
         params: the composed config (nested mappings), logged as parameters.
 
-    Raises ImportError when mlflow is missing, and whatever MLflow raises when the store or
-    server cannot be reached (the caller turns both into one warning).
+    Raises ImportError when mlflow is missing (or, for a database store, sqlalchemy or alembic),
+    and whatever MLflow raises when the store or server cannot be reached (the caller turns both
+    into one warning).
     """
 
     name = "mlflow"
@@ -116,6 +132,8 @@ class MlflowSink:
             mlflow.get_tracking_uri() if joined else uri or f"sqlite:///{run_dir / LOCAL_STORE}"
         )
         self.owned = not joined
+        if self.owned:
+            _require_sql(self.uri)
         self._events: list[str] = []
         self._tags: dict[str, str] = {}
         with _scoped(self.uri):

@@ -17,6 +17,7 @@ install hint instead of an error.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -56,11 +57,12 @@ class Sink(Protocol):
         ``failed``). A run the sink joined (an active MLflow / W&B run) is left open."""
 
 
-def install_hint(key: str) -> str:
-    """``logging.mlflow=true needs the mlflow package: pip install "ampctl[mlflow]"; ..."""
+def install_hint(key: str, missing: str | None = None) -> str:
+    """``logging.mlflow=true needs the mlflow package: pip install "ampctl[mlflow]"; ...``
+    (``missing``: the package that is missing, when it is not the sink's own)."""
     return (
-        f"logging.{key}=true needs the {key} package: {INSTALL[key]}; metrics.jsonl is written "
-        "anyway"
+        f"logging.{key}=true needs the {missing or key} package: {INSTALL[key]}; metrics.jsonl "
+        "is written anyway"
     )
 
 
@@ -80,46 +82,31 @@ def open_sinks(
     composed config (nested mappings); ``name``: the run's name in the tracking tools."""
     sinks: list[Sink] = []
     warnings: list[str] = []
-    builders: list[tuple[str, Callable[[], Sink]]] = []
-    if logging.tensorboard:
-        from ampctl.ui.tensorboard import TensorBoardSink
-
-        builders.append(("tensorboard", lambda: TensorBoardSink(run_dir)))
-    if logging.mlflow:
-        from ampctl.ui.mlflow_sink import MlflowSink
-
-        builders.append(
-            (
-                "mlflow",
-                lambda: MlflowSink(
-                    run_dir,
-                    uri=logging.mlflow_uri,
-                    experiment=logging.mlflow_experiment,
-                    run_name=name,
-                    params=params,
-                ),
-            )
-        )
-    if logging.wandb:
-        from ampctl.ui.wandb_sink import WandbSink
-
-        builders.append(
-            (
-                "wandb",
-                lambda: WandbSink(
-                    run_dir,
-                    mode=logging.wandb_mode,
-                    project=logging.wandb_project,
-                    run_name=name,
-                    params=params,
-                ),
-            )
-        )
-    for key, build in builders:
+    lg = logging
+    wanted = [
+        ("tensorboard", "ampctl.ui.tensorboard", "TensorBoardSink", {}),
+        (
+            "mlflow",
+            "ampctl.ui.mlflow_sink",
+            "MlflowSink",
+            {"uri": lg.mlflow_uri, "experiment": lg.mlflow_experiment},
+        ),
+        (
+            "wandb",
+            "ampctl.ui.wandb_sink",
+            "WandbSink",
+            {"mode": lg.wandb_mode, "project": lg.wandb_project},
+        ),
+    ]
+    for key, module, cls, kw in wanted:
+        if not getattr(lg, key):
+            continue
+        if key != "tensorboard":
+            kw = {**kw, "run_name": name, "params": params}
         try:
-            sinks.append(build())
-        except ImportError:
-            warnings.append(install_hint(key))
+            sinks.append(getattr(importlib.import_module(module), cls)(run_dir, **kw))
+        except ImportError as e:
+            warnings.append(install_hint(key, (e.name or key).split(".")[0]))
         except Exception as e:
             warnings.append(
                 f"logging.{key}=true: not started ({_reason(e)}); metrics.jsonl is written anyway"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -137,3 +138,34 @@ def test_a_tracking_server_that_is_down_costs_one_warning(fast_cfg, monkeypatch)
     # the short retry budget was this sink's only: the process environment is as it was
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_mlflow_without_its_sql_store_packages_is_a_one_line_hint(tmp_path):
+    """mlflow-skinny alone has no SQL store: the hint names what is missing and the extra (a
+    fresh process where sqlalchemy cannot be imported, as on a machine without it: MLflow then
+    registers no SQL stores at all)."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import train_args
+
+    runs = tmp_path / "runs"
+    code = "import sys; sys.modules['sqlalchemy'] = None; from ampctl.cli import app; app()"
+    out = subprocess.run(
+        [sys.executable, "-c", code, *train_args(runs, "logging.mlflow=true", "--name", "sk")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert out.returncode == 0, out.stderr
+    d = runs / "sk"
+    (ev,) = read_jsonl(d / "events.jsonl")
+    assert (ev["kind"], ev["step"], ev["message"]) == (
+        "warning",
+        0,
+        'logging.mlflow=true needs the sqlalchemy package: pip install "ampctl[mlflow]"; '
+        "metrics.jsonl is written anyway",
+    )
+    assert [r["step"] for r in read_jsonl(d / "metrics.jsonl")] == [4, 8, 12]
+    assert not (d / "mlruns.db").exists()
