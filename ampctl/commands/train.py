@@ -141,8 +141,11 @@ def run_train(
         return trainer.run().exit_code
     write_config(run_dir, cfg.to_dict())
     with display:
-        result = trainer.run()
-    _report(console, display, trainer, result, cfg, run_dir)
+        result = trainer.run(close_log=False)  # the sinks stay open for the plot
+    try:
+        _report(console, display, trainer, result, cfg, run_dir)
+    finally:
+        trainer.log.close(result.status)
     return result.exit_code
 
 
@@ -163,6 +166,8 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
         from ampctl.commands.plot import maybe_plot_run
 
         got = maybe_plot_run(run_dir)
+        if isinstance(got, Path):
+            trainer.log.artifact(got)
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
     if result.status == "diverged":

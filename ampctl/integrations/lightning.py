@@ -257,6 +257,8 @@ class AmpctlCallback(Callback):
         skip_aware_lr: step-interval lr schedulers do not advance on skipped steps.
         overflow_window: the steps a row's ``overflow_rate`` covers.
         tensorboard: also write TensorBoard scalars into the run folder.
+        logging: the sinks beside the run folder (MLflow, W&B, TensorBoard) and the plot: a
+            ``LoggingConfig`` or a mapping of its fields (:class:`~ampctl.integrations.ProtectedRun`).
     """
 
     def __init__(
@@ -273,6 +275,7 @@ class AmpctlCallback(Callback):
         skip_aware_lr: bool = True,
         overflow_window: int = 50,
         tensorboard: bool = False,
+        logging: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.precision = None if precision is None else _precision_name(precision, "AmpctlCallback")
@@ -285,6 +288,7 @@ class AmpctlCallback(Callback):
         self.skip_aware_lr = skip_aware_lr
         self.overflow_window = overflow_window
         self.tensorboard = tensorboard
+        self.logging = logging
         self.run: ProtectedRun | None = None
         self.plugin: AmpctlPrecision | None = None
         self.status = "ok"
@@ -364,6 +368,7 @@ class AmpctlCallback(Callback):
             forward=self.forward,
             progress=_Schedulers(trainer),
             tensorboard=self.tensorboard,
+            logging=self.logging,
             loop=LoopInfo(
                 framework="lightning",
                 config={

@@ -61,7 +61,7 @@ from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted
 from ampctl.protect.records import metrics_row, run_summary, write_config
-from ampctl.protect.settings import GuardConfig
+from ampctl.protect.settings import GuardConfig, LoggingConfig
 from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
 
 from .common import (
@@ -156,6 +156,11 @@ class ProtectedRun:
             with ``state_dict`` / ``load_state_dict``, e.g. the lr scheduler).
         fp32_modules: fnmatch patterns of module names kept in fp32 from the start.
         tensorboard: also write TensorBoard scalars (needs ``tensorboard``).
+        logging: a :class:`~ampctl.protect.settings.LoggingConfig` or a mapping of its fields:
+            the sinks beside the run folder (``tensorboard``, ``mlflow``, ``wandb`` and their
+            ``mlflow_uri``, ``wandb_mode`` ...; see ``ampctl train``'s ``logging.*``), and
+            ``plot`` (default true: draw ``plot.png`` at :meth:`finish`, when matplotlib is
+            installed, and send it to the sinks). Without it: only ``tensorboard=``, no plot.
         loop: how the loop around the run behaves (:class:`LoopInfo`; integrations set it).
     """
 
@@ -176,9 +181,14 @@ class ProtectedRun:
         progress: Any = None,
         fp32_modules: Iterable[str] = (),
         tensorboard: bool = False,
+        logging: LoggingConfig | Mapping[str, Any] | None = None,
         loop: LoopInfo | None = None,
     ) -> None:
         _check_counts(log_every=log_every, max_steps=max_steps, overflow_window=overflow_window)
+        self._logging = (
+            _fields_arg(LoggingConfig, logging, "logging") if logging is not None else None
+        )
+        self._plot = self._logging is not None and self._logging.plot
         self.model = model
         self.run_dir = Path(run_dir)
         self.loop = loop or LoopInfo()
@@ -189,7 +199,7 @@ class ProtectedRun:
             model,
             optimizer,
             amp,
-            config=_guard_config(guard),
+            config=_fields_arg(GuardConfig, guard, "guard") if guard is not None else GuardConfig(),
             emit=self._emit,
             progress_state=progress.state_dict if progress is not None else None,
             forward=forward,
@@ -318,10 +328,13 @@ class ProtectedRun:
         restored = resumed and self._restore_scaler(layout, step)
         self.display = self._make_display()
         self.log = RunLogger(
-            self.run_dir, is_main=self.is_main, display=self.display, tensorboard=self._tensorboard
+            self.run_dir,
+            is_main=self.is_main,
+            display=self.display,
+            tensorboard=self._tensorboard,
+            logging=self._logging,
         )
-        if self.log.tb_hint:
-            self.log.event({"step": step, "kind": "warning", "message": self.log.tb_hint})
+        self.log.open(step, self._config())
         if resumed:
             where = f" from {resumed_from}" if resumed_from is not None else ""
             scale = f"; the scale {restored:g} from the run folder" if restored else ""
@@ -624,13 +637,23 @@ class ProtectedRun:
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
-        self.log.close()
+        if self._plot and self.is_main:
+            self._send_plot()
+        self.log.close(status)
         if self.display is not None and callable(getattr(self.display, "summary", None)):
             self.display.summary(summary)
         if self._own_display and self.display is not None:
             self.display.__exit__(None, None, None)
         self.summary = summary
         return summary
+
+    def _send_plot(self) -> None:
+        """``plot.png`` into the run folder and to the sinks (nothing without matplotlib)."""
+        from ampctl.commands.plot import maybe_plot_run
+
+        got = maybe_plot_run(self.run_dir)
+        if isinstance(got, Path) and self.log is not None:
+            self.log.artifact(got)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -778,23 +801,23 @@ def _loop_precision(
     return amp
 
 
-def _guard_config(guard: GuardConfig | Mapping[str, Any] | None) -> GuardConfig:
-    if guard is None:
-        return GuardConfig()
-    if isinstance(guard, GuardConfig):
-        return guard
-    if not isinstance(guard, Mapping):
+def _fields_arg(cls: type, value: Any, arg: str) -> Any:
+    """``value`` as a ``cls`` config (``GuardConfig``, ``LoggingConfig``): one already, or a
+    mapping of its fields; anything else is an :class:`IntegrationError` naming ``arg``."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
         raise IntegrationError(
-            f"ProtectedRun: guard={guard!r} is not allowed: guard must be a GuardConfig or a "
+            f"ProtectedRun: {arg}={value!r} is not allowed: {arg} must be a {cls.__name__} or a "
             "mapping of its fields"
         )
-    names = {f.name for f in dataclasses.fields(GuardConfig)}
-    unknown = sorted(set(guard) - names)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
     if unknown:
         raise IntegrationError(
-            f"ProtectedRun: guard has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
+            f"ProtectedRun: {arg} has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
         )
     try:
-        return GuardConfig(**guard)
+        return cls(**value)
     except FieldError as e:
-        raise IntegrationError(e.named("guard")) from None
+        raise IntegrationError(e.named(arg)) from None

@@ -12,7 +12,9 @@ model: the overflow event with the parameters whose gradients were non-finite, r
 optimizer state, scale, lr scheduler), skip budget, floor policy, forward-overflow replay and fp32
 promotion, and the run folder (``metrics.jsonl`` with scale, skipped, overflow rate, grad norm /
 max / underflow before clipping, lr, loss; ``events.jsonl``; ``summary.json``; and the live table
-with ``display=``). It installs itself in ``__init__``-time objects only, so call it for the
+with ``display=``). With ``report_to`` naming ``mlflow`` or ``wandb``, ampctl's figures, events
+and summary join the Trainer's own MLflow / W&B run (``logging=`` chooses the sinks instead;
+:mod:`ampctl.ui.sinks`). It installs itself in ``__init__``-time objects only, so call it for the
 resumed Trainer too: ``train(resume_from_checkpoint=...)`` then loads the scaler's state into
 the LossScaler and the guard's history from the checkpoint's ``ampctl_run.json``; the run folder
 continues.
@@ -108,6 +110,7 @@ class AmpctlTrainerCallback(TrainerCallback):
         overflow_window: int = 50,
         tensorboard: bool = False,
         skip_aware_lr: bool = True,
+        logging: Any = None,
     ) -> None:
         self.trainer = trainer
         self.skip_aware_lr = skip_aware_lr
@@ -118,6 +121,7 @@ class AmpctlTrainerCallback(TrainerCallback):
         self.fp32_modules = list(fp32_modules)
         self.overflow_window = overflow_window
         self.tensorboard = tensorboard
+        self.logging = logging
         self.run: ProtectedRun | None = None
         self.status = "ok"
         self.resume_from: str | None = None
@@ -148,6 +152,7 @@ class AmpctlTrainerCallback(TrainerCallback):
             progress=_SchedulerProgress(tr),
             fp32_modules=self.fp32_modules,
             tensorboard=self.tensorboard,
+            logging=self.logging if self.logging is not None else _reported(args),
             loop=LoopInfo(
                 framework="transformers",
                 config={"transformers": {"optim": str(args.optim), "output_dir": args.output_dir}},
@@ -230,6 +235,15 @@ class AmpctlTrainerCallback(TrainerCallback):
             self.run.finish(status)
 
 
+def _reported(args: Any) -> dict[str, Any] | None:
+    """ampctl's sinks for the trackers the Trainer reports to (``report_to``): its figures join
+    the Trainer's MLflow / W&B run (:mod:`ampctl.ui.sinks`); None when it reports to neither."""
+    reports = set(getattr(args, "report_to", None) or [])
+    if not reports & {"mlflow", "wandb"}:
+        return None
+    return {"mlflow": "mlflow" in reports, "wandb": "wandb" in reports, "plot": False}
+
+
 def _keep_checkpoints_plain(trainer: Trainer, native: dict[str, bool]) -> None:
     """Checkpoints a plain Trainer can resume: transformers loads ``scaler.pt`` into its own
     scaler, which it lacks where Accelerate makes none (fp16 on a CPU, bf16, fp32): there the
@@ -269,6 +283,7 @@ def protect_trainer(
     skip_aware_lr: bool = True,
     overflow_window: int = 50,
     tensorboard: bool = False,
+    logging: Any = None,
 ) -> AmpctlTrainerCallback:
     """Give ``trainer`` ampctl's LossScaler, guard and run folder (module docstring); returns the
     callback (its ``run`` is the :class:`~ampctl.integrations.ProtectedRun` once training starts).
@@ -287,6 +302,10 @@ def protect_trainer(
             optimizer (one host read per step there).
         overflow_window: the steps a row's ``overflow_rate`` covers.
         tensorboard: also write TensorBoard scalars into the run folder.
+        logging: the sinks beside the run folder and the plot: a ``LoggingConfig`` or a mapping
+            of its fields (:class:`~ampctl.integrations.ProtectedRun`). Default: the trackers
+            the Trainer reports to (``report_to`` with ``mlflow`` / ``wandb``), where ampctl's
+            figures join the Trainer's own run instead of opening a second one.
     """
     if not isinstance(trainer, Trainer):
         raise IntegrationError(
@@ -318,6 +337,7 @@ def protect_trainer(
         overflow_window=overflow_window,
         tensorboard=tensorboard,
         skip_aware_lr=skip_aware_lr,
+        logging=logging,
     )
     trainer.add_callback(cb)
     setattr(trainer, _MARK, cb)

@@ -474,7 +474,9 @@ class Protection(Replays):
         )
         return self._apply(decision, step, scale_after, ran_after)
 
-    def _discarded_event(self, p: _Pending, by_update: dict[int, list[float]], scale: float) -> None:
+    def _discarded_event(
+        self, p: _Pending, by_update: dict[int, list[float]], scale: float
+    ) -> None:
         """A skip on a step that a later rollback discarded (fused path): written, marked
         ``discarded``, with no decision of its own."""
         row = by_update.get(p.update)
@@ -609,7 +611,12 @@ class Protection(Replays):
                 **late,
             )
             return Rewind(
-                "rollback", step, to_step, progress, ran_after, skip_batches=self.config.skip_batches
+                "rollback",
+                step,
+                to_step,
+                progress,
+                ran_after,
+                skip_batches=self.config.skip_batches,
             )
         old = self.precision.name
         self.switch_precision(decision.precision, scale=snap_scale)

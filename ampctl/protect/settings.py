@@ -16,7 +16,10 @@ from ampctl.amp.fp8 import DemoteRules
 from ampctl.amp.guard import DIVERGENCE_ACTIONS, DivergenceRules, GuardRules
 from ampctl.amp.precision import PRECISIONS
 
-__all__ = ["GuardConfig", "LoggingConfig"]
+__all__ = ["GuardConfig", "LoggingConfig", "WANDB_MODES"]
+
+#: ``logging.wandb_mode``: offline (nothing leaves the machine) or online.
+WANDB_MODES = ("offline", "online")
 
 
 @dataclass(kw_only=True)
@@ -190,19 +193,45 @@ class GuardConfig(GuardRules):
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    """``logging.*``: extra sinks, the end-of-run plot, and the log-step activation-gradient
-    underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only)."""
+    """``logging.*``: extra sinks (TensorBoard, MLflow, W&B), the end-of-run plot, and the
+    log-step activation-gradient underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only).
+    ``mlflow_uri`` None: a SQLite store in the run folder; ``wandb_mode`` offline: nothing
+    leaves the machine (:mod:`ampctl.ui.mlflow_sink`, :mod:`ampctl.ui.wandb_sink`)."""
 
     tensorboard: bool = False
+    mlflow: bool = False
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "ampctl"
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "ampctl"
     plot: bool = True
     act_grads: bool = True
     # leaf modules the probe hooks per log step, in turn (0: all of them, every log step)
     act_grad_layers: int = 8
 
     def __post_init__(self) -> None:
-        for k in ("tensorboard", "plot", "act_grads"):
+        for k in ("tensorboard", "mlflow", "wandb", "plot", "act_grads"):
             v = getattr(self, k)
             need(isinstance(v, bool), self, k, v, "true or false")
+        u = self.mlflow_uri
+        need(
+            u is None or (isinstance(u, str) and u.strip() != ""),
+            self,
+            "mlflow_uri",
+            u,
+            "null (a store in the run folder) or a tracking URI",
+        )
+        for k in ("mlflow_experiment", "wandb_project"):
+            v = getattr(self, k)
+            need(isinstance(v, str) and v.strip() != "", self, k, v, "a non-empty name")
+        need(
+            self.wandb_mode in WANDB_MODES,
+            self,
+            "wandb_mode",
+            self.wandb_mode,
+            " or ".join(WANDB_MODES),
+        )
         need(
             is_int(self.act_grad_layers) and self.act_grad_layers >= 0,
             self,

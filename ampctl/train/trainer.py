@@ -146,7 +146,7 @@ class Trainer:
             self.run_dir,
             is_main=self.ctx.is_main,
             display=display,
-            tensorboard=cfg.logging.tensorboard,
+            logging=cfg.logging,
         )
         self.protection = Protection(
             self.model,
@@ -301,11 +301,17 @@ class Trainer:
         return self._wall_before + time.perf_counter() - self._wall0
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> TrainResult:
-        """Train to ``trainer.max_steps``. Writes metrics, events, checkpoints and summary."""
+    def run(self, *, close_log: bool = True) -> TrainResult:
+        """Train to ``trainer.max_steps``. Writes metrics, events, checkpoints and summary.
+        ``close_log=False`` leaves the sinks open after the summary (the caller sends the plot
+        and closes ``self.log``)."""
         status, code = "ok", 0
-        if self.log.tb_hint:
-            self.log.event({"step": self.step, "kind": "warning", "message": self.log.tb_hint})
+        t = time.perf_counter()
+        self.log.open(self.step, self.cfg.to_dict())
+        # starting a sink (an MLflow store, W&B's process) is not training time
+        opened = time.perf_counter() - t
+        self._wall0 += opened
+        self.window.t0 += opened
         with _Signals(self):
             try:
                 self.protection.start(self.step)
@@ -326,12 +332,15 @@ class Trainer:
                 self.failure = str(e)
                 self.log.event({"step": self.step, "kind": "error", "message": str(e)})
                 status, code = "failed", 1
-            finally:
-                self.log.close()
+            except BaseException as e:
+                self.log.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+                raise
         summary = self._summary(status)
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
+        if close_log:
+            self.log.close(status)
         return TrainResult(summary=summary, run_dir=self.run_dir, status=status, exit_code=code)
 
     @property
