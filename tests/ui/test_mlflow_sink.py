@@ -15,8 +15,7 @@ import yaml
 pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
 
-from ampctl.train.run import new_run_dir  # noqa: E402
-
+from ampctl.runlog import new_run_dir  # noqa: E402
 from ampctl.train.trainer import train  # noqa: E402
 from ampctl.ui.sinks import flatten  # noqa: E402
 from tests.conftest import read_jsonl  # noqa: E402

@@ -8,10 +8,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-from ampctl.train.logger import LoggingConfig, RunLogger
-from ampctl.train.run import new_run_dir
 
 from ampctl.config import ConfigError, load_config
+from ampctl.protect.logger import RunLogger
+from ampctl.protect.settings import LoggingConfig
+from ampctl.runlog import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import read_jsonl
 from tests.test_cli import assert_bad, run, train_args

@@ -11,8 +11,7 @@ import yaml
 
 pytest.importorskip("wandb")
 
-from ampctl.train.run import new_run_dir  # noqa: E402
-
+from ampctl.runlog import new_run_dir  # noqa: E402
 from ampctl.train.trainer import train  # noqa: E402
 from tests.conftest import read_jsonl  # noqa: E402
 from tests.ui.readback import (  # noqa: E402
