@@ -5,6 +5,8 @@ asserts the event, the action and the final loss, beside its healthy twin."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from ampctl.runlog import new_run_dir
@@ -57,6 +59,17 @@ def test_a_loss_spike_is_skipped_on_the_device_and_the_run_ends_where_the_clean_
     assert spike["loss"] > spike["loss_threshold"] and spike["loss_z"] > 100
     assert spike["message"].startswith("spike, step skipped: loss ")
     assert guarded.summary["skipped"] == 1 and guarded.summary["status"] == "ok"
+    # the count is on every row from the step it happened, and in the summary
+    rows = read_jsonl(guarded.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["spikes"] == 1] == [40, 44, 48]
+    assert {r["spikes"] for r in rows if r["step"] < 40} == {0}
+    assert guarded.summary["spikes"] == 1 and clean.summary["spikes"] == 0
+    if importlib.util.find_spec("matplotlib") is not None:  # and a line on the run's figure
+        from ampctl.commands.plot import build_run_figure
+
+        ax_loss = build_run_figure(guarded.run_dir).axes[0]
+        lines = [a for a in ax_loss.lines if a.get_gid() == "event:spike"]
+        assert [list(a.get_xdata()) for a in lines] == [[40, 40]]
     final = {
         k: r.summary["final_loss"]
         for k, r in (("clean", clean), ("guarded", guarded), ("unguarded", unguarded))
