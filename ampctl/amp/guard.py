@@ -15,6 +15,7 @@ anything but the standard library.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,7 +285,11 @@ class DivergenceRules:
     run had made real progress -- its first rows' mean down to that lowest, more than four times
     the rows' own noise (the median change from one row to the next) -- and has given back three
     quarters of it. A run that never made progress beyond its noise (a noisy toy, a run at a
-    plateau) can only trip the factor. Rows before ``warmup`` are only watched."""
+    plateau) can only trip the factor. Rows before ``warmup`` are only watched.
+
+    The factor also holds against the run's first loss (the model's before any update) when it
+    is known: a run that jumps at its first update (an lr far too high) has no healthy row to
+    compare with, but no healthy run ends up ``factor`` times above where it started."""
 
     factor: float = 5.0
     patience: int = 3
@@ -303,9 +308,12 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-def divergence_reason(losses: list[float], rules: DivergenceRules) -> str | None:
+def divergence_reason(
+    losses: list[float], rules: DivergenceRules, start: float | None = None
+) -> str | None:
     """Why the rows ``losses`` (oldest first) show a divergence, or None (the rule of
-    :class:`DivergenceRules`, a pure function of the numbers)."""
+    :class:`DivergenceRules`, a pure function of the numbers). ``start``: the run's first loss,
+    before any update (None: unknown)."""
     k = rules.patience
     if len(losses) < max(k, rules.warmup + 1):
         return None
@@ -316,10 +324,21 @@ def divergence_reason(losses: list[float], rules: DivergenceRules) -> str | None
         return None
     finite = [x for x in losses[:-k] if _finite(x)]
     windows = [_median(finite[i : i + k]) for i in range(len(finite) - k + 1)]
+    now = _median(last)
+    shown = ", ".join(f"{x:.4g}" for x in last)
+    if (
+        start is not None
+        and _finite(start)
+        and 0 < start < min(windows, default=math.inf)
+        and now > rules.factor * start
+    ):
+        return (
+            f"the loss diverged: {shown} at the last {k} log steps, {now / start:.1f}x the loss "
+            f"the run started from ({start:.4g}, before its first update)"
+        )
     if not windows:
         return None
-    now, lowest, first = _median(last), min(windows), windows[0]
-    shown = ", ".join(f"{x:.4g}" for x in last)
+    lowest, first = min(windows), windows[0]
     if lowest > 0 and now > rules.factor * lowest:
         return (
             f"the loss diverged: {shown} at the last {k} log steps, {now / lowest:.1f}x its lowest "
@@ -344,12 +363,13 @@ class DivergenceWatch:
         self.losses: list[float] = []
         self.steps: list[int] = []
         self.good_step = 0  # the step of the last row before a divergence began
+        self.start: float | None = None  # the run's first loss, before any update (if known)
 
     def observe(self, step: int, loss: float) -> Decision:
         """Take one row; a WARN, ROLLBACK or ABORT (stop) decision once the rule holds."""
         self.losses.append(float(loss))
         self.steps.append(int(step))
-        why = divergence_reason(self.losses, self.rules)
+        why = divergence_reason(self.losses, self.rules, self.start)
         if why is None:
             return Decision(action=Action.CONTINUE)
         k = self.rules.patience
@@ -367,9 +387,16 @@ class DivergenceWatch:
         return min(finite) if finite else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.losses), "steps": list(self.steps), "good_step": self.good_step}
+        return {
+            "losses": list(self.losses),
+            "steps": list(self.steps),
+            "good_step": self.good_step,
+            "start": self.start,
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.losses = [float(x) for x in sd.get("losses", [])]
         self.steps = [int(x) for x in sd.get("steps", [])]
         self.good_step = int(sd.get("good_step", 0))
+        start = sd.get("start")
+        self.start = None if start is None else float(start)

@@ -284,6 +284,12 @@ class Protection(Replays):
         if pending is not None:
             fig.add("pending_decisions", pending, vector=True)
         self.spike.figures(fig, self.scaler)
+        if self.divergence.start is None and self.enabled and self.config.divergence:
+            first = self.scaler.first_loss()  # once: the divergence rule's starting point
+            if first is not None:  # the mean over ranks of the finite ones
+                ok = torch.isfinite(first)
+                both = torch.stack([torch.where(ok, first, 0.0), ok.double()])
+                fig.add("start_loss", both, "sum", vector=True)
 
     def on_log_read(self, step: int, values: dict[str, Any]) -> Rewind | None:
         """After the log read of ``step``: new spike thresholds from the window, the waiting
@@ -291,6 +297,9 @@ class Protection(Replays):
         :class:`TrainAborted`), then the divergence rule on the interval's loss (may raise
         :class:`TrainDiverged` or roll back). No host read of its own."""
         self.spike.on_read(values, self.scaler)
+        start = values.get("start_loss")
+        if start is not None and self.divergence.start is None:  # NaN: no finite first loss
+            self.divergence.start = start[0] / start[1] if start[1] > 0 else math.nan
         pending = values.get("pending_decisions")
         rewind = self.on_read(pending) if pending is not None else None
         if rewind is not None or not (self.enabled and self.config.divergence):
@@ -311,6 +320,9 @@ class Protection(Replays):
             return None
         since = watch.good_step  # the last row before the diverging ones
         lowest = min((x for x in watch_rows if math.isfinite(x)), default=math.nan)
+        start = watch.start
+        if start is not None and math.isfinite(start) and not start >= lowest:
+            lowest = start  # the rule held against the run's first loss
         ratio = loss / lowest if lowest and math.isfinite(lowest) else math.nan
         extra = {"loss": loss, "min_loss": lowest, "ratio": ratio, "since": since}
         snap = self.snapshot
