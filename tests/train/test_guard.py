@@ -96,7 +96,7 @@ def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
         new_run_dir(cfg.trainer.runs_dir, "p2"),
         resume=__import__("ampctl.train.checkpoint", fromlist=["x"]).load_checkpoint(res.run_dir),
     )
-    assert tr.precision.exempted == ["amp"]
+    assert tr.precision.in_fp32 == ["amp"]
     batch = tr.data.batch_at(0)
     hooks = [
         m.register_forward_hook(lambda mod, i, o, n=n: fwd_dtypes.__setitem__(n, o.dtype))
