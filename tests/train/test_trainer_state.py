@@ -19,7 +19,7 @@ from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
 from ampctl.train.trainer import Trainer
 from tests.conftest import FAST, read_jsonl
-from tests.train.test_protection import planted
+from tests.protect.test_protection import planted
 
 
 def _state(tr: Trainer) -> dict:
