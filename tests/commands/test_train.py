@@ -210,3 +210,28 @@ def test_resume_applies_scaler_and_precision_overrides(fast_cfg):
         resume_config(ck, ["trainer.max_steps=8", "scaler.init_scale=64"]), first.run_dir, resume=ck
     )
     assert plain.scaler.get_scale() == 64.0 and plain.precision.name == "fp16"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_active_spike_rule_adds_no_host_read(fast_cfg, fused):
+    """The spike rule active from step 3 (window 8): on the standard path one read per step plus
+    one per log step, on the fused path none but the log steps', exactly as with the rule off --
+    its decision is a device tensor (#27)."""
+    extra = ("optim.fused=true", "optim.clip_grad_norm=null") if fused else ()
+    counts = {}
+    for spike in ("true", "false"):
+        cfg = fast_cfg(
+            *extra,
+            f"guard.spike={spike}",
+            "guard.spike_min_steps=2",
+            "guard.spike_window=8",
+            "trainer.max_steps=12",
+            "trainer.log_every=4",
+            "trainer.ckpt_every=100",
+        )
+        tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, f"s{spike}{fused}"))
+        counts[spike] = reads_per_step(tr, 12)
+        live = math.isfinite(tr.protection.scaler.spike_thresholds[0])
+        assert live == (spike == "true")  # thresholds in force on the device from the first log
+    per_step = 0 if fused else 1
+    assert counts["true"] == counts["false"] == [per_step + (s % 4 == 0) for s in range(1, 13)]
