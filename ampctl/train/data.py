@@ -369,21 +369,14 @@ class SyntheticSource(TokenSource):
         world_size: int = 1,
         objective: str = "mlm",
     ) -> None:
-        check_source_args(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
+        common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, mask_prob=mask_prob,
+                      rank=rank, world_size=world_size, objective=objective)  # fmt: skip
+        check_source_args(**common)
         check_int("branching", branching, 1)
         if branching > MAX_BRANCHING:
             raise DataError(f"data.branching ({branching}) must be <= {MAX_BRANCHING}")
         check_int("vocab_size", vocab_size, FIRST_ORDINARY_ID + branching)
-        super().__init__(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            mask_prob=mask_prob,
-            rank=rank,
-            world_size=world_size,
-            objective=objective,
-        )
+        super().__init__(vocab_size=vocab_size, **common)
         self.branching = branching
         slot_table, self._start_cdf = self._draw_chain()
         # The slot table followed by the identity, for noise transitions.
@@ -609,19 +602,12 @@ class TextSource(PackedSource):
         world_size: int = 1,
         objective: str = "mlm",
     ) -> None:
-        check_source_args(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
+        common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, mask_prob=mask_prob,
+                      rank=rank, world_size=world_size, objective=objective)  # fmt: skip
+        check_source_args(**common)
         if not isinstance(path, str | Path):
             raise DataError(f"data.path must be a file or directory path, got {path!r}")
-        super().__init__(
-            vocab_size=self.VOCAB_SIZE,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            mask_prob=mask_prob,
-            rank=rank,
-            world_size=world_size,
-            objective=objective,
-        )
+        super().__init__(vocab_size=self.VOCAB_SIZE, **common)
         self.path = Path(path)
         self._set_stream(_read_corpus(self.path), CLS_ID)
         if self.num_windows == 0:

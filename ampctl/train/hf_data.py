@@ -543,23 +543,16 @@ class HFSource(PackedSource):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        check_source_args(seq_len, batch_size, seed, mask_prob, rank, world_size, objective)
+        common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, mask_prob=mask_prob,
+                      rank=rank, world_size=world_size, objective=objective)  # fmt: skip
+        check_source_args(**common)
         check_int("vocab_size", vocab_size, 1)
         for name, value in (("path", path), ("tokenizer", tokenizer)):
             if not isinstance(value, str | Path) or not str(value):
                 raise DataError(f"data.{name} must be a path, got {value!r}")
         if not isinstance(text_field, str) or not text_field:
             raise DataError(f"data.text_field must be a column name, got {text_field!r}")
-        super().__init__(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            mask_prob=mask_prob,
-            rank=rank,
-            world_size=world_size,
-            objective=objective,
-        )
+        super().__init__(vocab_size=vocab_size, **common)
         self.pad_id = -1  # packed: no padding anywhere
         fmt, files = resolve_dataset(path, format)
         tok = load_tokenizer(tokenizer)

@@ -23,7 +23,7 @@ import torch
 
 from tests.conftest import FAST
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 AS_LIMIT = 4 << 30
 RSS_BOUND_MB = 1500  # every case below stays near 300-400 MB
 
@@ -339,7 +339,7 @@ def test_a_damaged_dcp_chunk_is_one_line(results):
 @case("ds-latest")
 def _(d, run_dir):
     ds = d / "ds"
-    shutil.copytree(Path(__file__).parent / "data" / "deepspeed" / "zero0-fp32", ds)
+    shutil.copytree(ROOT / "tests" / "commands" / "diagnose" / "data" / "deepspeed" / "zero0-fp32", ds)
     (ds / "latest").write_text("global_step3")
     os.truncate(ds / "latest", 8 << 30)  # sparse: free on disk
     return diagnose(ds)

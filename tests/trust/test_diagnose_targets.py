@@ -19,7 +19,7 @@ from ampctl.runlog.writers import new_run_dir
 from ampctl.train.trainer import train
 from tests.conftest import FAST
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s3cr3t-value-that-must-not-leak"
 
 
