@@ -50,24 +50,42 @@ def _launches(func: Any) -> bool:
 
 
 class OpCount(TorchDispatchMode):
-    """The running count (see the module docstring): :attr:`total`, and :attr:`by_op` by aten
-    name."""
+    """The running count (see the module docstring): :attr:`total`, :attr:`by_op` by aten name,
+    and :attr:`by_part` by the innermost named part (``count_ops(parts=...)``) each op ran in
+    (``"other"`` outside every part)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
         self.by_op: Counter[str] = Counter()
+        self.by_part: Counter[str] = Counter()
         self._paused = 0
+        self._parts: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._paused and _launches(func):
             self.total += 1
             self.by_op[func._schema.name.split("::")[-1]] += 1
+            self.by_part[self._parts[-1] if self._parts else "other"] += 1
         return func(*args, **(kwargs or {}))
 
     def reset(self) -> None:
         self.total = 0
         self.by_op.clear()
+        self.by_part.clear()
+
+    def _tagging(self, part: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def inner(*a: Any, **k: Any) -> Any:
+                self._parts.append(part)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._parts.pop()
+
+            return inner
+
+        return wrap
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -124,6 +142,7 @@ def count_ops(
     optimizers: tuple[Any, ...] = (),
     exclude: tuple[tuple[Any, str], ...] = (),
     include: tuple[tuple[Any, str], ...] = (),
+    parts: dict[str, tuple[tuple[Any, str], ...]] | None = None,
     backward: bool = True,
     clipping: bool = True,
 ) -> Iterator[OpCount]:
@@ -135,7 +154,9 @@ def count_ops(
     ``optimizers``, and each ``(object, method name)`` of ``exclude`` (e.g. a data source's
     ``next_batch``). Each ``(object, method name)`` of ``include`` is counted even when a
     left-out call runs it (a tensor hook the backward pass calls, e.g. ``ActGradCounter._add``).
-    The patches are undone on exit."""
+    ``parts`` names groups of ``(object, method name)``: each op is also counted in
+    :attr:`OpCount.by_part` under the innermost part whose method was running. The patches are
+    undone on exit."""
     counter = OpCount()
     undo: list[Callable[[], None]] = []
 
@@ -153,6 +174,9 @@ def count_ops(
         patch(obj, name)
     for obj, name in include:
         patch(obj, name, counter._counting)
+    for part, methods in (parts or {}).items():
+        for obj, name in methods:
+            patch(obj, name, counter._tagging(part))
     if backward:
         patch(torch.autograd, "backward")
     if clipping:

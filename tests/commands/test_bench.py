@@ -93,6 +93,7 @@ DEVICE_OPS_KEYS = {
     "log_steps",
     "log_every",
     "counted",
+    "parts",
 }
 ROW_KEYS = {"step_s", "tokens_per_s", "speed_vs_fp32", "speed_vs_bf16", "peak_mem_mib", "error"}
 
@@ -319,6 +320,29 @@ def test_device_ops_count_the_protection_beside_the_bare_loop(fast_cfg):
     assert ops["log"] > ops["clean"] + 10
     assert ops["mean"] == pytest.approx((3 * ops["clean"] + ops["log"]) / 4)
     assert ops["extra"] == {k: ops[k] - ops["bare"] for k in ("clean", "log", "mean")}
+    # each step's ops split by part, the parts adding up to the step's count
+    for key in ("clean", "log"):
+        assert sum(ops["parts"][key].values()) == pytest.approx(ops[key]), key
+    assert ops["parts"]["clean"]["loss scaler"] >= ops["bare"] - 1  # GradScaler's share of it
+    assert {"gradient stats", "log-step figures"} <= set(ops["parts"]["log"])
+
+
+def test_device_ops_charge_an_added_op_to_its_part(fast_cfg, monkeypatch):
+    """Two ops planted in the log step's gradient stats show up there, and only there."""
+    from ampctl.train import trainer as trainer_module
+
+    stats = trainer_module.grad_stats
+
+    def costly(*a, **k):
+        torch.zeros(1).add_(1)  # two ops: a fill and an add
+        return stats(*a, **k)
+
+    before = measure_device_ops(fast_cfg(), 4)
+    monkeypatch.setattr(trainer_module, "grad_stats", costly)
+    after = measure_device_ops(fast_cfg(), 4)
+    grown = {k: after["parts"]["log"][k] - v for k, v in before["parts"]["log"].items()}
+    assert grown == {k: 2 * (k == "gradient stats") for k in grown}
+    assert after["parts"]["clean"] == before["parts"]["clean"]
 
 
 def test_device_ops_count_the_probe_hooks_inside_the_backward(fast_cfg):

@@ -22,6 +22,43 @@ def _mean(xs: list[int]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _part_means(counts: list[dict[str, int]]) -> dict[str, float]:
+    """Each part's mean ops over ``counts`` (one ``OpCount.by_part`` per step), largest first."""
+    names = {k for c in counts for k in c}
+    means = {k: sum(c.get(k, 0) for c in counts) / len(counts) for k in names} if counts else {}
+    return dict(sorted(means.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def protection_parts() -> dict[str, tuple[tuple[Any, str], ...]]:
+    """The protection's parts, each the methods whose ops it is charged with (the innermost
+    part running wins; what runs outside all of them is ``other``)."""
+    from ampctl.amp import LossScaler
+    from ampctl.amp.actgrad import ActGradCounter
+    from ampctl.amp.fp8 import CastRecord
+    from ampctl.protect.figures import DeviceFigures, LogWindow
+    from ampctl.protect.protection import Protection
+    from ampctl.protect.snapshot import Snapshot
+    from ampctl.train import trainer as trainer_module
+
+    scaler = ("scale", "unscale_", "report_grad_norm", "step", "update")
+    return {
+        "loss scaler": tuple((LossScaler, m) for m in scaler),
+        "log window": ((LogWindow, "add"),),
+        "gradient stats": ((trainer_module, "grad_stats"),),
+        "log-step figures": (
+            (trainer_module, "gather_log_figures"),
+            (DeviceFigures, "add"),
+            (DeviceFigures, "read"),
+            (Protection, "log_figures"),
+        ),
+        "probes": ((ActGradCounter, "_add"), (CastRecord, "_stats"), (CastRecord, "_add")),
+        "snapshot": ((Snapshot, "take"),),
+        "guard": tuple(
+            (Protection, m) for m in ("after_step", "on_read", "sync", "on_log_read", "after_log")
+        ),
+    }
+
+
 def measure_device_ops(
     cfg: RunConfig, steps: int, progress: Progress | None = None
 ) -> dict[str, Any]:
@@ -31,7 +68,9 @@ def measure_device_ops(
     The first ``log_every + 1`` steps of each run uncounted (optimizer state and snapshot buffers
     exist by then), then ``steps`` are counted. Returns the bare loop's ops per step, the
     protected loop's on a clean step without a log, on a log step, and its mean over all counted
-    steps (log and snapshot steps included), each beside the bare figure as ``extra``."""
+    steps (log and snapshot steps included), each beside the bare figure as ``extra``; and
+    ``parts``: the protected step's mean ops on clean and on log steps by part
+    (:func:`protection_parts`)."""
     from ampctl.amp.actgrad import ActGradCounter
     from ampctl.amp.fp8 import CastRecord
     from ampctl.opcount import count_ops
@@ -43,6 +82,7 @@ def measure_device_ops(
     bare_counts: list[int] = []
     clean: list[int] = []
     logged: list[int] = []
+    parts: dict[bool, list[dict[str, int]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="ampctl-bench-ops-") as d:
         trainer = Trainer(cfg, Path(d), display=None)
         bare = _BareLoop(cfg, trainer)
@@ -68,9 +108,10 @@ def measure_device_ops(
             with count_ops(**excluded) as c:
                 bare.step()
             bare_counts.append(c.total)
-            with count_ops(**excluded) as c:
+            with count_ops(**excluded, parts=protection_parts()) as c:
                 row = real_once()
             (logged if log else clean).append(c.total)
+            parts[log].append(dict(c.by_part))
             done = n - warm
             if progress is not None and done % 10 == 0:
                 progress(f"device ops: {done}/{steps} steps")
@@ -95,6 +136,7 @@ def measure_device_ops(
         "bare": base,
         **figures,
         "extra": {k: (None if v is None else v - base) for k, v in figures.items()},
+        "parts": {"clean": _part_means(parts[False]), "log": _part_means(parts[True])},
         "steps": len(every),
         "log_steps": len(logged),
         "log_every": cfg.trainer.log_every,

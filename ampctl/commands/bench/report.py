@@ -65,6 +65,15 @@ def print_report(res: dict[str, Any], console: Any = None) -> None:
                     "",
                     f"GradScaler loop {ops['bare']:.1f} (+{ops['extra'][key]:.1f})",
                 )
+        for key, label in (("clean", "clean"), ("log", "log")):
+            split = (ops.get("parts") or {}).get(key)
+            if split:
+                t.add_row(
+                    f"device ops by part: {label} step",
+                    "",
+                    "",
+                    ", ".join(f"{k} {v:.1f}" for k, v in split.items()),
+                )
     oc = res.get("overflow_check")
     if oc is not None:
         t.add_row(
