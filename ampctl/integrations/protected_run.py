@@ -53,7 +53,7 @@ from torch import nn
 
 from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.checks import FieldError, is_int
-from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision
+from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision, saved_in_fp32
 from ampctl.amp.scaler import OptState
 from ampctl.amp.stats import grad_stats
 from ampctl.protect.figures import DeviceFigures, LogWindow, gather_log_figures
@@ -668,7 +668,7 @@ class ProtectedRun:
             "tokens": self._tokens_total,
             "wall_s": self._elapsed(),
             "precision": self.precision.name,
-            "exempted": list(self.precision.exempted),
+            "in_fp32": list(self.precision.in_fp32),
         }
 
     def load_state_dict(
@@ -689,9 +689,9 @@ class ProtectedRun:
         self.protection.load_state_dict(dict(state.get("protection", state.get("guard", {}))))
         self._tokens_total = int(state.get("tokens", 0))
         self._wall_before = float(state.get("wall_s", 0.0))
-        for name in state.get("exempted", []):
+        for name in saved_in_fp32(state):
             try:
-                self.precision.exempt(self.model, name)
+                self.precision.to_fp32(self.model, name)
             except AttributeError:  # the module is gone (another model): nothing to keep
                 continue
 

@@ -693,7 +693,7 @@ class Protection(Replays):
 
     def switch_precision(self, name: str, *, scale: float | None = None) -> None:
         """Move the run to precision ``name`` in place, keeping weights, optimizer state,
-        exempted modules and the scaler's counters (the scale restarts at ``scale`` when the new
+        fp32 modules and the scaler's counters (the scale restarts at ``scale`` when the new
         precision scales the loss)."""
         opt_state = self.optimizer.state_dict()
         new = switch_precision(self.precision, name, self.model, device=self._device(), scale=scale)

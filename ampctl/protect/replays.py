@@ -72,7 +72,7 @@ class Replays:
         if name in self.promoted_at:
             # it was moved to fp32 for an earlier overflow and overflows in fp32 too: the
             # promotion did not cure it, so it was not the cause
-            self.precision.unexempt(self.model, name)
+            self.precision.undo_fp32(self.model, name)
             since = self.promoted_at.pop(name)
             self.not_the_cause.add(name)
             self.emit(
@@ -122,7 +122,7 @@ class Replays:
             return
         for layer in self.precision.demotable(self.model, name):
             self.demote_layer(step, layer, f"inside '{name}', promoted to fp32")
-        if self.precision.exempt(self.model, name):
+        if self.precision.to_fp32(self.model, name):
             self.promoted_at[name] = step
             self.emit(
                 step,

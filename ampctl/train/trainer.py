@@ -37,6 +37,7 @@ from torch import nn
 
 from ampctl.amp import make_precision
 from ampctl.amp.actgrad import ActGradProbe
+from ampctl.amp.precision import saved_in_fp32
 from ampctl.amp.stats import grad_stats
 from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures, sampling
 from ampctl.protect.logger import RunLogger
@@ -235,13 +236,13 @@ class Trainer:
 
     def _precision(self, resume: dict[str, Any] | None):
         cfg = self.cfg
-        name, exempted = cfg.precision.name, []
+        name, in_fp32 = cfg.precision.name, []
         if resume is not None:
             # the run keeps the precision it had reached (a fallback sticks) unless the user
             # asks for another one on the command line of the resume
             asked = cfg.precision.name != resume["config"]["precision"]["name"]
             name = cfg.precision.name if asked else resume["precision"]["name"]
-            exempted = list(resume["precision"]["exempted"])
+            in_fp32 = saved_in_fp32(resume["precision"])
         precision = make_precision(
             name,
             fp32_modules=cfg.precision.fp32_modules,
@@ -252,8 +253,8 @@ class Trainer:
         precision.prepare(self.model)
         if resume is not None:
             precision.restore(self.model, resume["precision"])  # e.g. fp8 layer demotions
-        for n in exempted:
-            precision.exempt(self.model, n)
+        for n in in_fp32:
+            precision.to_fp32(self.model, n)
         precision.scaler.init_state(self.device)
         if self.ctx.enabled:
             precision.scaler.reduce_flags = self.ctx.reduce_max

@@ -200,7 +200,7 @@ def test_bounds_clamp_the_scale():
 def test_forward_overflow_is_skipped_recorded_and_backs_off_as_in_gradscaler():
     """A non-finite loss: skipped and counted as a forward overflow. With hysteresis 1 the
     scale follows GradScaler's kernel (it backs off; ampctl's guard puts it back, tested in
-    tests/train/test_protection_unit.py); with hysteresis > 1 the rule keeps it."""
+    tests/protect/test_protection_unit.py); with hysteresis > 1 the rule keeps it."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler(init_scale=1024.0, growth_interval=1000)

@@ -12,7 +12,7 @@ from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from ampctl.train.trainer import Trainer, train
 from tests.conftest import read_jsonl
-from tests.train.test_protection import reads_per_step
+from tests.protect.test_protection import reads_per_step
 
 METRIC_KEYS = {
     "step",

@@ -1,5 +1,5 @@
 """What the loop promises about state: a rollback restores exactly the snapshot, accumulation is
-the large-batch step, exempted modules really run in fp32, a kill inside a checkpoint write
+the large-batch step, fp32 modules really run in fp32, a kill inside a checkpoint write
 leaves the previous checkpoint whole."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
 from ampctl.train.trainer import Trainer
 from tests.conftest import FAST, read_jsonl
-from tests.train.test_protection import planted
+from tests.protect.test_protection import planted
 
 
 def _state(tr: Trainer) -> dict:
@@ -111,10 +111,10 @@ def test_grad_accumulation_equals_the_large_batch_gradient(fast_cfg):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_exempted_modules_run_in_fp32_at_run_time(fast_cfg):
+def test_fp32_modules_run_in_fp32_at_run_time(fast_cfg):
     cfg = fast_cfg("precision.fp32_modules=[*embeddings*]")
     tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "ex"))
-    assert tr.precision.exempted == ["bert.embeddings"]
+    assert tr.precision.in_fp32 == ["bert.embeddings"]
     seen = {}
     hooks = [
         tr.model.get_submodule(name).register_forward_hook(

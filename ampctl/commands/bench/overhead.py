@@ -19,7 +19,7 @@ class _BareLoop:
     initial weights and batches as a :class:`Trainer` (built before its first step)."""
 
     def __init__(self, cfg: RunConfig, trainer: Any) -> None:
-        from ampctl.amp import PrecisionPolicy
+        from ampctl.amp import make_precision
         from ampctl.train.builders import build_data_source, build_model, build_optimizer
 
         self.device = trainer.device
@@ -34,13 +34,13 @@ class _BareLoop:
                     own[name].copy_(master)
         # fp16-pure has no GradScaler equivalent: the bare loop runs fp16 autocast instead
         name = "fp16" if cfg.precision.name == "fp16-pure" else cfg.precision.name
-        self.policy = PrecisionPolicy(
-            name=name,
+        self.policy = make_precision(
+            name,
             fp32_modules=list(cfg.precision.fp32_modules),
             device_type=self.device.type,
             options=cfg.precision.options(),
         )
-        # the same fp32 module exemptions (fp8: and torchao's convert_to_float8_training of the
+        # the same fp32 modules (fp8: and torchao's convert_to_float8_training of the
         # same layers, bf16 autocast, no scaling): the same architecture
         self.policy.prepare(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -59,6 +59,7 @@ Results record each trial's ``rung`` and ``steps_spent``.
 
 from __future__ import annotations
 
+from .execute import run_sweep, sweep
 from .launchers import LAUNCHERS, LauncherOptions, Outcome, TrialJob
 from .launchers.local import threads_per_trial
 from .plan import DEFAULT_GRID, SweepPlan, Trial, parse_sweep, plan_sweep, rung_budgets
@@ -73,7 +74,6 @@ from .rank import (
     tie_info,
 )
 from .report import SweepResult, trial_steps
-from .run import run_sweep, sweep
 from .trial import COLUMNS, PieceResult, config_diff, read_trial, trial_row
 
 __all__ = [

@@ -68,12 +68,12 @@ def _load_example():
 
 
 # a BERT with an Amplifier (fine in fp32, inf in fp16 once its `boost` is raised) between the
-# embeddings and the encoder; reachable as model._target_=tests.train.test_guard.Planted
+# embeddings and the encoder; reachable as model._target_=tests.protect.test_guard_loop.Planted
 Planted = _load_example().PlantedBert
 
 
 def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
-    cfg = fast_cfg("model._target_=tests.train.test_guard.Planted", "trainer.max_steps=16")
+    cfg = fast_cfg("model._target_=tests.protect.test_guard_loop.Planted", "trainer.max_steps=16")
     fwd_dtypes = {}
 
     def fault(tr, step, phase):
@@ -96,7 +96,7 @@ def test_forward_overflow_promotes_only_the_culprit(fast_cfg):
         new_run_dir(cfg.trainer.runs_dir, "p2"),
         resume=__import__("ampctl.train.checkpoint", fromlist=["x"]).load_checkpoint(res.run_dir),
     )
-    assert tr.precision.exempted == ["amp"]
+    assert tr.precision.in_fp32 == ["amp"]
     batch = tr.data.batch_at(0)
     hooks = [
         m.register_forward_hook(lambda mod, i, o, n=n: fwd_dtypes.__setitem__(n, o.dtype))
