@@ -121,7 +121,8 @@ def train(
 ) -> None:
     """Train under the protected mixed-precision loop.
 
-    Writes runs/<name>/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json.
+    Writes <trainer.runs_dir>/<name>/ (runs/<name>/ by default): config.yaml, metrics.jsonl,
+    events.jsonl, checkpoints/, summary.json, and plot.png when matplotlib is installed.
     Ctrl-C finishes the current step, writes a checkpoint and prints how to resume.
     """
     from ampctl.commands.train import run_train
@@ -146,9 +147,9 @@ def sweep_scale(
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Hydra overrides, with sweeps: scaler.init_scale=1024,4096,65536 "
-            "scaler.growth_interval=range(100,2001,400). Default grid: init_scale "
-            "{2^10,2^13,2^16} x growth_interval {100,500,2000}. " + OVERRIDES_HELP,
+            help="The grid, as Hydra sweeps: scaler.init_scale=1024,4096,65536 "
+            "scaler.growth_interval=range(100,2001,400) (default grid: init_scale "
+            "{2^10,2^13,2^16} x growth_interval {100,500,2000}); other " + OVERRIDES_HELP,
             show_default=False,
         ),
     ] = None,
@@ -178,7 +179,11 @@ def sweep_scale(
     ] = None,
     baseline: Annotated[
         bool,
-        typer.Option("--baseline/--no-baseline", help="Also run an fp32 (or bf16) baseline trial."),
+        typer.Option(
+            "--baseline/--no-baseline",
+            help="Also run a baseline trial (fp32; bf16 on a CUDA device that has it) that the "
+            "trials' loss is compared with.",
+        ),
     ] = True,
     name: Annotated[
         str | None,
