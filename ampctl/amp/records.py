@@ -87,7 +87,12 @@ def counts(rows: torch.Tensor, *, check_loss: bool = True) -> torch.Tensor:
     skipped = rows[:, SKIPPED] > 0
     finite = torch.isfinite(rows[:, LOSS])
     fwd = skipped & ~finite if check_loss else torch.zeros_like(skipped)
-    over = (finite & (rows[:, LOSS] > rows[:, LOSS_THR])) | (rows[:, GNORM] > rows[:, GNORM_THR])
+    gnorm = rows[:, GNORM]
+    # as kind(): a step is a spike by a finite figure above its threshold; a non-finite norm
+    # is a gradient overflow
+    over = (finite & (rows[:, LOSS] > rows[:, LOSS_THR])) | (
+        torch.isfinite(gnorm) & (gnorm > rows[:, GNORM_THR])
+    )
     spike = skipped & ~fwd & over
     pos = torch.arange(n, device=dev)
     last_clean = torch.where(skipped, -1, pos).amax()
