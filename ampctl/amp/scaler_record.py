@@ -144,6 +144,16 @@ class StepRecord:
         """Skipped steps in a row up to the last one (0 after a clean step). **Syncs.**"""
         return self.stats()["consecutive_overflows"]
 
+    def mark_applied(self) -> None:
+        """The last recorded step was applied after all (the guard reran it clean and stepped the
+        optimizer: a transient fault): its record now reads as a clean step, so the skipped
+        count, the overflows in a row and the step's kind say what happened. The scale is the
+        caller's to put back. No host read."""
+        if self._num_updates == 0:
+            raise ValueError("LossScaler.mark_applied: no step has been recorded yet")
+        t = self._require_init("mark_applied")
+        t["history"][(self._num_updates - 1) % self._history_size, rec.SKIPPED] = 0.0
+
     @property
     def num_updates(self) -> int:
         """Number of ``update()`` calls that recorded a step (host counter, no read)."""
@@ -153,7 +163,7 @@ class StepRecord:
     def num_steps(self) -> int:
         """Deprecated name of :attr:`num_updates` (it counts updates, skipped ones included)."""
         warnings.warn(
-            "LossScaler.num_updates is deprecated: use num_updates",
+            "LossScaler.num_steps is deprecated: use num_updates",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -265,6 +265,7 @@ class Protection(Replays):
         if self.config.rerun and self._rerun(step, batches, record, kind) == "transient":
             # retried with the rerun's gradients: a clean step, at the scale it used
             self._keep_scale(record[rec.SCALE], scale_after)
+            self.scaler.mark_applied()  # not skipped after all: the record says so
             self._observe(step, kind=rec.CLEAN)
             return None
         return self._observe(

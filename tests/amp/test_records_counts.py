@@ -43,3 +43,27 @@ def test_counts_agree_with_the_kinds_of_the_rows():
     assert fwd == kinds.count(rec.FORWARD) == 1
     assert spikes == kinds.count(rec.SPIKE) == 2  # the two non-finite norms are no spikes
     assert (trailing, all_skipped) == (6, 0)
+
+
+def test_mark_applied_makes_the_last_skipped_step_read_clean():
+    from ampctl.amp import LossScaler
+
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = LossScaler(init_scale=1024.0)
+    try:
+        scaler.mark_applied()
+        raise AssertionError("mark_applied before any step must raise")
+    except ValueError as e:
+        assert str(e) == "LossScaler.mark_applied: no step has been recorded yet"
+    for planted in (False, True, True):
+        opt.zero_grad()
+        scaler.scale((w * 2).sum()).backward()
+        if planted:
+            w.grad[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+    assert (scaler.skipped_steps, scaler.consecutive_overflows) == (2, 2)
+    scaler.mark_applied()  # the last one was rerun clean and applied
+    assert (scaler.skipped_steps, scaler.consecutive_overflows) == (1, 0)
+    assert [skipped for _, _, skipped in scaler.history()] == [False, True, False]

@@ -109,6 +109,11 @@ def test_a_one_time_nan_is_transient_its_step_is_retried_and_the_run_equals_the_
     assert "a transient fault, the step was retried" in rerun["message"]
     assert [e["kind"] for e in ev] == ["rerun"]  # no overflow decision: the step was retried
     assert faulty.summary["final_loss"] == clean.summary["final_loss"]
+    # nothing was skipped: the summary, every row and the scale say so
+    assert faulty.summary["skipped"] == 0 and faulty.summary["overflow_rate"] == 0
+    rows = read_jsonl(faulty.run_dir / "metrics.jsonl")
+    assert {r["skipped"] for r in rows} == {0}
+    assert faulty.summary["final_scale"] == clean.summary["final_scale"]
 
 
 def test_a_nan_the_data_causes_is_reproducible(fast_cfg):
