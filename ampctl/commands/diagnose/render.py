@@ -441,7 +441,7 @@ def _checkpoints(report: Report, console: Any) -> None:
     res = report.resume
     if problems:
         console.print(Text.assemble(("Resume: ", "bold"), (res.command, "cyan")), soft_wrap=True)
-        if res.why:
+        if res.why and res.checkpoint is not None:
             _say(console, f"  ({res.why})")
         recs = report.recommendations
         if (

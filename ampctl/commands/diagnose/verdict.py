@@ -142,21 +142,18 @@ def history_problems(
             ),
             None,
         )
-        tail = (
-            f", before the gradients went non-finite at step {nxt.start}"
-            if nxt
-            else (
-                " and did not come back"
-                if d.resolved_at is None
-                else f" at the first updates, and was back only at step {d.resolved_at}"
-            )
-        )
+        start = " at the first updates, before it ever fell" if d.never_improved else ""
+        if nxt is not None:
+            tail = f", before the gradients went non-finite at step {nxt.start}"
+        elif d.resolved_at is None:
+            tail = ", and did not come back"
+        else:
+            tail = f", and was back at its level of step {d.min_step} only at step {d.resolved_at}"
         problems.append(
             Problem(
                 "lr_divergence",
                 f"the loss rose from {d.min_loss:.4g} (step {d.min_step}) to {d.peak:.4g} (step "
-                f"{d.peak_step}) while the updates were applied{tail}: the learning rate is too "
-                "high",
+                f"{d.peak_step}){start}{tail}: the learning rate is too high",
                 step=d.step,
             )
         )
