@@ -149,8 +149,9 @@ def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
     improved = False
     for i in range(1, len(vals)):
         lv, base = levels[i], levels[low]
-        if improved:
-            band = max(DEPARTURE * abs(base), NOISE_K * _noise(vals[:i], levels[:i]))
+        if improved:  # the noise of the rows before this level's window (not the rise)
+            k = max(0, i - LEVEL_ROWS + 1)
+            band = max(DEPARTURE * abs(base), NOISE_K * _noise(vals[:k], levels[:k]))
         else:  # before the loss ever fell, its noise is not known: its first value is the bar
             band = DEPARTURE * abs(base)
         if lv > base + band:
@@ -175,9 +176,11 @@ def _departure(
     vals: list[Row], levels: list[float], i: int, low: int, rows: list[Row]
 ) -> Departure:
     r, base = vals[i], levels[low]
-    on_course = [
-        x for x, lv in zip(vals[:i], levels[:i], strict=True) if lv <= (1 + DEPARTURE) * base
-    ]
+    # the last row still on course: its own loss, not only its level, within the band; when
+    # the loss never fell, the row it rose from
+    never = base >= (1 - RETURN / 2.5) * levels[0]
+    band_ = (1 + DEPARTURE) * base
+    on_course = [x for x in vals[: low + 1 if never else i] if x.loss <= band_]
     back = None
     band = (1 + RETURN) * base
     for j in range(i, len(vals) - 1):
@@ -196,7 +199,7 @@ def _departure(
         peak=peak.loss,
         peak_step=peak.step,
         resolved_at=back,
-        never_improved=base >= (1 - RETURN / 2.5) * levels[0],
+        never_improved=never,
         lr_at_min=vals[low].learning_rate,
         lr_at_step=r.learning_rate,
     )

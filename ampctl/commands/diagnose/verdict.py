@@ -104,8 +104,8 @@ def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[floa
         peak = max([lr or 0.0, d.lr_at_step, *(r.learning_rate or 0.0 for r in rows)])
         f = max(2.0, peak / d.lr_at_min)
         return f, (
-            f"the loss fell while the lr was at most {d.lr_at_min:.3g} and rose once it passed "
-            f"it (lr {d.lr_at_step:.3g} at step {d.step})"
+            f"the loss was at its lowest while the lr was at most {d.lr_at_min:.3g} and rose as "
+            f"the lr grew past it (lr {d.lr_at_step:.3g} at step {d.step})"
         )
     if d.never_improved:
         return 10.0, "the loss rose from the first updates, before it ever fell: far too high"

@@ -113,3 +113,16 @@ def test_a_backward_nan_names_the_module_and_moves_it_to_fp32(corpus):
 
 def test_the_corpus_table_in_readme_is_the_corpus():
     assert corpus_table.readme_block(README.read_text()) == corpus_table.table()
+
+
+def test_a_resumed_lightning_run_folder_says_it_was_resumed(corpus):
+    """AmpctlCallback's run folder, the fit resumed from its newest checkpoint: nothing was set
+    aside (no branch), and the folder's resume event is counted and named."""
+    pytest.importorskip("lightning")
+    code, rep, _ = diagnose_cli(corpus.run("lightning-callback-resumed"))
+    assert code == 0 and rep["branch"]["resumes"] == 1 and rep["branch"]["branches"] == []
+    assert rep["branch"]["text"] == (
+        "main line; resumed 1 time(s), at step 40, each from the newest checkpoint (nothing set "
+        "aside)"
+    )
+    assert rep["history"]["resumes"][0]["step"] == 40

@@ -106,6 +106,8 @@ CASES: tuple[Case, ...] = (
          _bad("scale_collapsed", f"{LIT}stepstep=25.ckpt", "precision"),
          path=f"{LIT}stepstep=200.ckpt", twin="lightning/healthy",
          note="the .ckpt given alone is judged with the checkpoints beside it"),
+    Case("lightning/callback-resumed", KINDS[0], FORMATS[1], "lightning-callback-resumed", _ok(None),
+         note="ampctl's AmpctlCallback run folder, resumed once from its newest checkpoint"),
     Case("lightning/fp32-healthy", KINDS[9], FORMATS[1], "lightning-fp32-healthy", _ok(f"{LIT}stepstep=60.ckpt")),
     Case("lightning/optimizer-inf", KINDS[9], FORMATS[1], "lightning-optimizer-inf",
          _bad("nonfinite_optimizer_state", f"{LIT}stepstep=20.ckpt", "optim.clip_grad_norm",
@@ -140,7 +142,7 @@ CASES: tuple[Case, ...] = (
     Case("ampctl/guard-off-healthy", KINDS[3], FORMATS[4], "ampctl-guard-off-healthy",
          _ok("checkpoints/step_00000030.pt")),
     Case("ampctl/lr", KINDS[3], FORMATS[4], "ampctl-lr",
-         _bad("lr_divergence", "checkpoints/step_00000006.pt", "optim.lr"),
+         _bad("lr_divergence", None, "optim.lr", says="lr grew past it"),
          twin="ampctl/guard-off-healthy"),
     Case("ampctl/forward-overflow", KINDS[4], FORMATS[4], "ampctl-forward-overflow",
          _bad("forward_overflow", "checkpoints/step_00000006.pt", "precision.fp32_modules"),
@@ -221,14 +223,21 @@ class Corpus:
     paths: dict[str, Path] = field(default_factory=dict)
 
     def run(self, name: str) -> Path:
+        """The run ``name``, written on first use (a run written into ``root`` before, by
+        another process, is used as it is: ``NAME.path`` names what its writer returned)."""
         if name not in self.paths:
+            out, note = self.root / name, self.root / f"{name}.path"
+            if note.is_file():
+                self.paths[name] = self.root / note.read_text()
+                return self.paths[name]
             torch.set_num_threads(1)
-            out = self.root / name
             if name in ampctl_runs.HAND_WRITTEN:
                 self.run(_BASE[name])
-                self.paths[name] = ampctl_runs.HAND_WRITTEN[name](out, self.root)
+                path = ampctl_runs.HAND_WRITTEN[name](out, self.root)
             else:
-                self.paths[name] = RUNS[name](out)
+                path = RUNS[name](out)
+            note.write_text(str(path.relative_to(self.root)))
+            self.paths[name] = path
         return self.paths[name]
 
     def target(self, case: Case) -> Path:

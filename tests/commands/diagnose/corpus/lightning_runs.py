@@ -133,7 +133,47 @@ def optimizer_inf(out: Path) -> Path:
     return fit(out, steps=60, every=20, fp16=False, outlier_at=30)
 
 
+def callback_resumed(out: Path) -> Path:
+    """ampctl's ``AmpctlCallback`` writing its run folder (``out/run``), the fit stopped at
+    step 40 and resumed from its newest checkpoint to 80: one resume, nothing set aside."""
+    import lightning.pytorch as pl
+
+    from ampctl.amp import LossScaler
+    from ampctl.integrations.lightning import AmpctlCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+        def training_step(self, batch, _i):
+            x, y = batch
+            loss = nn.functional.smooth_l1_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def trainer(steps: int, cb) -> pl.Trainer:
+        return pl.Trainer(
+            max_steps=steps, accelerator="cpu", default_root_dir=str(out), logger=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, pl.callbacks.ModelCheckpoint(
+                dirpath=str(out / "ckpt"), every_n_train_steps=40, save_top_k=-1)],
+        )  # fmt: skip
+
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
+    cb = AmpctlCallback(out / "run", log_every=4, precision="fp16", scaler=LossScaler(init_scale=4096.0))
+    trainer(40, cb).fit(Module(), loader)
+    (ckpt,) = (out / "ckpt").iterdir()
+    resumed = AmpctlCallback(out / "run", log_every=4, precision="fp16")
+    trainer(80, resumed).fit(Module(), loader, ckpt_path=ckpt, weights_only=True)
+    return out / "run"
+
+
 RUNS = {
+    "lightning-callback-resumed": callback_resumed,
     "lightning-healthy": healthy,
     "lightning-collapse": collapse,
     "lightning-fp32-healthy": healthy_fp32,
