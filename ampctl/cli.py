@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+# torch warns at import when NumPy is missing; ampctl never uses NumPy (core installs lack it,
+# and nothing it does needs it), so a first `ampctl train` must not greet the user with it
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 app = typer.Typer(
     name="ampctl",
@@ -391,18 +396,31 @@ def bench(
     config_dir: Annotated[
         Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
     ] = None,
+    sizes: Annotated[
+        bool,
+        typer.Option(
+            "--sizes",
+            help="Also measure the overhead and device ops at about 10M and 50M parameters "
+            "(the same architecture, resized; minutes on a CPU).",
+        ),
+    ] = False,
 ) -> None:
     """Measure what protection costs, as ratios against a bare GradScaler loop.
 
-    Overhead per step and in total, fused vs per-parameter overflow check, host reads per step,
-    and a precision table (step time, tokens/s, memory)."""
+    Overhead per step and in total, device ops per step beside GradScaler's, fused vs
+    per-parameter overflow check, host reads per step, and a precision table (step time,
+    tokens/s, memory)."""
     from ampctl.commands.bench import run_bench
 
     _at_least("--steps", steps, 2)
 
     try:
         code = run_bench(
-            overrides=list(overrides or []), steps=steps, as_json=as_json, config_dir=config_dir
+            overrides=list(overrides or []),
+            steps=steps,
+            as_json=as_json,
+            config_dir=config_dir,
+            sizes=sizes,
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

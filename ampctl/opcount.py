@@ -87,12 +87,30 @@ class OpCount(TorchDispatchMode):
 
         return inner
 
+    def _counting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*a: Any, **k: Any) -> Any:
+            # counted even inside a left-out region (a tensor hook run by the backward pass):
+            # the mode goes back on the stack for the call when it was taken off
+            paused, self._paused = self._paused, 0
+            try:
+                if _current() is self:
+                    return fn(*a, **k)
+                with self:
+                    return fn(*a, **k)
+            finally:
+                self._paused = paused
+
+        return inner
+
+
+def _current() -> Any:
+    return getattr(torch.utils._python_dispatch, "_get_current_dispatch_mode", lambda: None)()
+
 
 @contextlib.contextmanager
 def _outside(mode: OpCount) -> Iterator[None]:
-    stack = getattr(torch.utils._python_dispatch, "_get_current_dispatch_mode", lambda: None)
     pop = getattr(torch.utils._python_dispatch, "_pop_mode_temporarily", None)
-    if pop is None or stack() is not mode:
+    if pop is None or _current() is not mode:
         yield
         return
     with pop():
@@ -105,6 +123,7 @@ def count_ops(
     models: tuple[torch.nn.Module, ...] = (),
     optimizers: tuple[Any, ...] = (),
     exclude: tuple[tuple[Any, str], ...] = (),
+    include: tuple[tuple[Any, str], ...] = (),
     backward: bool = True,
     clipping: bool = True,
 ) -> Iterator[OpCount]:
@@ -114,14 +133,16 @@ def count_ops(
     (``torch.autograd.backward``; ``backward=False`` counts it), gradient clipping
     (``torch.nn.utils.clip_grad_norm_``; ``clipping=False`` counts it), the ``step`` of each of
     ``optimizers``, and each ``(object, method name)`` of ``exclude`` (e.g. a data source's
-    ``next_batch``). The patches are undone on exit."""
+    ``next_batch``). Each ``(object, method name)`` of ``include`` is counted even when a
+    left-out call runs it (a tensor hook the backward pass calls, e.g. ``ActGradCounter._add``).
+    The patches are undone on exit."""
     counter = OpCount()
     undo: list[Callable[[], None]] = []
 
-    def patch(obj: Any, name: str) -> None:
+    def patch(obj: Any, name: str, wrap: Callable[..., Any] | None = None) -> None:
         had = name in vars(obj)
-        original = getattr(obj, name)
-        setattr(obj, name, counter._pausing(original))
+        original = vars(obj)[name] if had and isinstance(obj, type) else getattr(obj, name)
+        setattr(obj, name, (wrap or counter._pausing)(original))
         undo.append(lambda: setattr(obj, name, original) if had else delattr(obj, name))
 
     for m in models:
@@ -130,6 +151,8 @@ def count_ops(
         patch(opt, "step")
     for obj, name in exclude:
         patch(obj, name)
+    for obj, name in include:
+        patch(obj, name, counter._counting)
     if backward:
         patch(torch.autograd, "backward")
     if clipping:

@@ -19,12 +19,12 @@ from accelerate import Accelerator
 
 from ampctl.integrations.accelerate import install_scaler, protected_run
 from ampctl.runlog.writers import default_run_name
-from ampctl.train.data import SyntheticMLM
+from ampctl.train.data import SyntheticSource
 from ampctl.train.models import BertForMaskedLM
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
-data = SyntheticMLM(vocab_size=256, seq_len=32, batch_size=16)
+data = SyntheticSource(vocab_size=256, seq_len=32, batch_size=16)
 model = BertForMaskedLM(
     vocab_size=256, max_position=32, hidden_size=64, num_layers=2, num_heads=4, ffn_size=256,
     dropout=0.0, attn_impl="eager",

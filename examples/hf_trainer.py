@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from ampctl.integrations.transformers import protect_trainer
 from ampctl.runlog.writers import default_run_name
-from ampctl.train.data import SyntheticMLM
+from ampctl.train.data import SyntheticSource
 
 PLANTED_STEPS = (25, 26, 27)
 
@@ -28,7 +28,9 @@ class Rows(torch.utils.data.Dataset):
     """Token rows of the synthetic corpus (causal-LM targets: the rows themselves)."""
 
     def __init__(self, n: int) -> None:
-        self.ids = SyntheticMLM(vocab_size=256, seq_len=32, batch_size=n).next_batch()["input_ids"]
+        self.ids = SyntheticSource(vocab_size=256, seq_len=32, batch_size=n).next_batch()[
+            "input_ids"
+        ]
 
     def __len__(self) -> int:
         return len(self.ids)

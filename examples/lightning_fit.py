@@ -18,7 +18,7 @@ import torch
 
 from ampctl.integrations.lightning import AmpctlCallback
 from ampctl.runlog.writers import default_run_name
-from ampctl.train.data import SyntheticMLM
+from ampctl.train.data import SyntheticSource
 from ampctl.train.models import BertForMaskedLM
 
 PLANTED_STEPS = (25, 26, 27)
@@ -49,7 +49,7 @@ if __name__ == "__main__":
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    data = SyntheticMLM(vocab_size=256, seq_len=32, batch_size=16)
+    data = SyntheticSource(vocab_size=256, seq_len=32, batch_size=16)
     loader = torch.utils.data.DataLoader([data.next_batch() for _ in range(40)], batch_size=None)
     run_dir = sys.argv[1] if len(sys.argv) > 1 else f"runs/{default_run_name('lightning')}"
     trainer = L.Trainer(

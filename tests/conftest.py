@@ -10,6 +10,12 @@ import pytest
 import torch
 
 from ampctl.config import load_config
+from tests.extras_ci import (  # noqa: F401 - .ci/run's two passes (see tests/extras_ci.py)
+    pytest_collection_modifyitems,
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 
 # A few steps of the tiny model; fast on 2 CPU cores.
 FAST = [
@@ -27,9 +33,12 @@ FAST = [
 ]
 
 
-# scripts/mutation.sh sets 1: its workers are forked from the process that ran the tests, and an
-# OpenMP thread pool started before a fork hangs the child at its next parallel region.
-THREADS = int(os.environ.get("AMPCTL_TEST_THREADS", "2"))
+# One intra-op thread by default: the test models are tiny, and on a 2-core machine that other
+# work shares, two OpenMP threads spin-wait for each other at every op: a 40-step test that takes
+# 4.5 s idle took 18 s with one thread and 110 s with two next to one busy process. (Subprocess
+# tests set OMP_NUM_THREADS=1 too.) scripts/mutation.sh needs 1 anyway: its workers are forked
+# from the process that ran the tests, and an OpenMP pool started before a fork hangs the child.
+THREADS = int(os.environ.get("AMPCTL_TEST_THREADS", "1"))
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -235,6 +236,49 @@ def test_python_dash_m_entry_point():
     assert out.returncode == 0
     for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot"):
         assert cmd in out.stdout
+
+
+def test_no_numpy_warning_from_torch_on_a_core_install(tmp_path):
+    """A core install has no NumPy; torch warns about it at import, ampctl never needs it."""
+    import subprocess
+    import sys
+
+    block = "import sys; sys.modules['numpy'] = None; "  # as if NumPy were not installed
+    # what every command does: the CLI module first, torch when the command needs it
+    cmd = "import ampctl.cli; import torch; print('trainer:')"
+    out = {}
+    for name, code in (("torch", block + "import torch"), ("ampctl", block + cmd)):
+        out[name] = subprocess.run(
+            [sys.executable, "-W", "default", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+    assert "Failed to initialize NumPy" in out["torch"].stderr  # what a user would have seen
+    assert out["ampctl"].returncode == 0, out["ampctl"].stderr
+    assert "Failed to initialize NumPy" not in out["ampctl"].stderr
+    assert "trainer:" in out["ampctl"].stdout
+
+
+def test_resume_shows_the_run_dir_as_given_and_a_name_of_itself_says_drop_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    fresh = ["trainer.runs_dir=runs", "trainer.ckpt_every=4", "logging.plot=false", "--quiet"]
+    first = run("train", *FAST, "trainer.max_steps=4", *fresh, "--name", "x")
+    assert first.exit_code == 0, first.output
+    assert "run_dir: runs/x\n" in first.stdout
+    files = {p: p.read_bytes() for p in (tmp_path / "runs").rglob("*") if p.is_file()}
+    assert_bad(
+        run("train", "--resume", "runs/x", "--name", "x"),
+        "--resume runs/x --name x: --name starts a new run folder (a fork of the checkpoint) and "
+        "runs/x is the run being resumed; to continue it, drop --name: "
+        "ampctl train --resume runs/x",
+    )
+    assert {p: p.read_bytes() for p in (tmp_path / "runs").rglob("*") if p.is_file()} == files
+    again = run("train", "--resume", "runs/x", "trainer.max_steps=8", "--quiet")
+    assert again.exit_code == 0, again.output
+    assert "run_dir: runs/x\n" in again.stdout  # the form a fresh run prints, not /tmp/.../x
+    assert json.loads((tmp_path / "runs/x/summary.json").read_text())["steps"] == 8
 
 
 def test_help_texts_name_what_ships():

@@ -15,6 +15,7 @@ anything but the standard library.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,10 @@ from typing import Any
 from .checks import is_finite, is_int, need
 
 __all__ = [
+    "DIVERGENCE_ACTIONS",
+    "DivergenceRules",
+    "DivergenceWatch",
+    "divergence_reason",
     "Action",
     "Observation",
     "Decision",
@@ -263,3 +268,135 @@ class OverflowGuard:
         self.window = deque((bool(x) for x in sd.get("window", [])), maxlen=self.rules.skip_window)
         self.consecutive = int(sd.get("consecutive", 0))
         self.rollbacks = int(sd.get("rollbacks", 0))
+
+
+# ---------------------------------------------------------------------------- divergence
+DIVERGENCE_ACTIONS = ("stop", "rollback", "warn")
+
+
+@dataclass(kw_only=True)
+class DivergenceRules:
+    """When a run has diverged, judged from its log rows' loss (each the mean of its interval),
+    smoothed as the median of ``patience`` rows so that one row -- noisy, or holding a spike --
+    decides nothing.
+
+    The run has diverged when the last ``patience`` rows are all non-finite, or when their median
+    is above ``factor`` times the lowest median of ``patience`` rows in a row so far, or when the
+    run had made real progress -- its first rows' mean down to that lowest, more than four times
+    the rows' own noise (the median change from one row to the next) -- and has given back three
+    quarters of it. A run that never made progress beyond its noise (a noisy toy, a run at a
+    plateau) can only trip the factor. Rows before ``warmup`` are only watched.
+
+    The factor also holds against the run's first loss (the model's before any update) when it
+    is known: a run that jumps at its first update (an lr far too high) has no healthy row to
+    compare with, but no healthy run ends up ``factor`` times above where it started."""
+
+    factor: float = 5.0
+    patience: int = 3
+    warmup: int = 1
+    action: str = "stop"
+    lr_cut: float = 0.5
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def divergence_reason(
+    losses: list[float], rules: DivergenceRules, start: float | None = None
+) -> str | None:
+    """Why the rows ``losses`` (oldest first) show a divergence, or None (the rule of
+    :class:`DivergenceRules`, a pure function of the numbers). ``start``: the run's first loss,
+    before any update (None: unknown)."""
+    k = rules.patience
+    if len(losses) < max(k, rules.warmup + 1):
+        return None
+    last = losses[-k:]
+    if not any(_finite(x) for x in last):
+        return f"the loss is not finite at the last {k} log steps"
+    if not all(_finite(x) for x in last):
+        return None
+    finite = [x for x in losses[:-k] if _finite(x)]
+    windows = [_median(finite[i : i + k]) for i in range(len(finite) - k + 1)]
+    now = _median(last)
+    shown = ", ".join(f"{x:.4g}" for x in last)
+    if (
+        start is not None
+        and _finite(start)
+        and 0 < start < min(windows, default=math.inf)
+        and now > rules.factor * start
+    ):
+        return (
+            f"the loss diverged: {shown} at the last {k} log steps, {now / start:.1f}x the loss "
+            f"the run started from ({start:.4g}, before its first update)"
+        )
+    if not windows:
+        return None
+    lowest, first = min(windows), windows[0]
+    if lowest > 0 and now > rules.factor * lowest:
+        return (
+            f"the loss diverged: {shown} at the last {k} log steps, {now / lowest:.1f}x its lowest "
+            f"({lowest:.4g}, the median of {k} rows)"
+        )
+    steps = [abs(b - a) for a, b in zip(finite, finite[1:], strict=False)]
+    noise = sorted(steps)[len(steps) // 2] if steps else 0.0
+    progress = first - lowest
+    if progress > 4 * noise and now > lowest + 0.75 * progress and now > 1.5 * lowest:
+        return (
+            f"the loss diverged: {shown} at the last {k} log steps gave back "
+            f"{(now - lowest) / progress:.0%} of its progress from {first:.4g} down to {lowest:.4g}"
+        )
+    return None
+
+
+class DivergenceWatch:
+    """The host-side course of the loss, one row at a time (no device value: rows are read)."""
+
+    def __init__(self, rules: DivergenceRules) -> None:
+        self.rules = rules
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.good_step = 0  # the step of the last row before a divergence began
+        self.start: float | None = None  # the run's first loss, before any update (if known)
+
+    def observe(self, step: int, loss: float) -> Decision:
+        """Take one row; a WARN, ROLLBACK or ABORT (stop) decision once the rule holds."""
+        self.losses.append(float(loss))
+        self.steps.append(int(step))
+        why = divergence_reason(self.losses, self.rules, self.start)
+        if why is None:
+            return Decision(action=Action.CONTINUE)
+        k = self.rules.patience
+        self.good_step = self.steps[-k - 1] if len(self.steps) > k else 0
+        action = {"stop": Action.ABORT, "rollback": Action.ROLLBACK, "warn": Action.WARN}[
+            self.rules.action
+        ]
+        self.losses.clear()  # after a warning or a rollback, the course starts again
+        self.steps.clear()
+        return Decision(action=action, reason=why)
+
+    @property
+    def lowest(self) -> float | None:
+        finite = [x for x in self.losses if _finite(x)]
+        return min(finite) if finite else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "losses": list(self.losses),
+            "steps": list(self.steps),
+            "good_step": self.good_step,
+            "start": self.start,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.losses = [float(x) for x in sd.get("losses", [])]
+        self.steps = [int(x) for x in sd.get("steps", [])]
+        self.good_step = int(sd.get("good_step", 0))
+        start = sd.get("start")
+        self.start = None if start is None else float(start)

@@ -441,6 +441,8 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
         the device (two ops). No host read."""
         if not self._check_finite or self._t is None:
             return
+        full = getattr(norm, "full_tensor", None)  # FSDP2: a replicated DTensor
+        norm = full() if callable(full) else norm
         self._gnorm = norm.detach().float().reshape(())
         if self._spike[1] < math.inf:
             t = self._t

@@ -106,6 +106,14 @@ class StepRecord:
         ``i`` of them belongs to update ``num_updates - len + i + 1``. No host read."""
         return self._rows(n)
 
+    def first_loss(self) -> torch.Tensor | None:
+        """The loss recorded at update 1 -- the model's before any update -- as a 0-dim float64
+        device tensor, or None before it or once the records have moved past it (more than
+        ``history_size`` updates). No host read."""
+        if self._t is None or self._num_updates < 1 or self._num_updates > self._history_size:
+            return None
+        return self._rows(self._num_updates)[0, rec.LOSS].double()
+
     def loss_since(self, update: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum, count)`` of the finite losses recorded after update number ``update`` (at
         most ``history_size`` records back), as 0-dim float64 device tensors: a log interval's

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from ampctl.config import ConfigError, config_from_saved, load_config, split_overrides, to_yaml
 from ampctl.runlog import RunLayout, fork_event, fork_into
@@ -34,11 +35,31 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
     return cfg
 
 
-def _resume_target(ck: dict[str, Any], name: str | None) -> RunLayout | None:
-    """The run folder a resume continues in (None: a fork into a new folder)."""
+def _as_given(path: Path, given: Path) -> Path:
+    """``path`` (resolved) in the form the user gave ``--resume``: relative to the working
+    folder when that was relative and ``path`` lies under it, as a fresh run's folder is."""
+    if given.is_absolute():
+        return path
+    try:
+        return path.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
+def _resume_target(
+    ck: dict[str, Any], name: str | None, given: Path, runs_dir: str | Path
+) -> RunLayout | None:
+    """The run folder a resume continues in (None: a fork into a new folder ``--name``)."""
     path = Path(ck["path"]).resolve()
     run = RunLayout.of_checkpoint(path)
     if name is not None:
+        if run is not None and (Path(runs_dir) / name).resolve() == run.root:
+            here = _as_given(run.root, given)
+            raise ConfigError(
+                f"--resume {given} --name {name}: --name starts a new run folder (a fork of the "
+                f"checkpoint) and {here} is the run being resumed; to continue it, drop --name: "
+                f"ampctl train --resume {given}"
+            )
         return None
     if run is None:
         raise ConfigError(
@@ -51,7 +72,7 @@ def _resume_target(ck: dict[str, Any], name: str | None) -> RunLayout | None:
             f"{run.root.name} of {run.root.parent.parent}; continue it in a new run folder with "
             f"--resume {ck['path']} --name NEW"
         )
-    return run
+    return RunLayout(_as_given(run.root, given))
 
 
 def run_train(
@@ -89,7 +110,9 @@ def run_train(
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)
         return 0
     ctx = init_distributed(cfg.dist.strategy, cfg.trainer.device)
-    target = _resume_target(ck, name) if ck is not None else None
+    target = (
+        _resume_target(ck, name, Path(resume), cfg.trainer.runs_dir) if ck is not None else None
+    )
     fork = ck is not None and target is None
     run_dir = target.root if target is not None else None
     if run_dir is None and ctx.is_main:
@@ -118,8 +141,11 @@ def run_train(
         return trainer.run().exit_code
     write_config(run_dir, cfg.to_dict())
     with display:
-        result = trainer.run()
-    _report(console, display, trainer, result, cfg, run_dir)
+        result = trainer.run(close_log=False)  # the sinks stay open for the plot
+    try:
+        _report(console, display, trainer, result, cfg, run_dir)
+    finally:
+        trainer.log.close(result.status)
     return result.exit_code
 
 
@@ -140,19 +166,38 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
         from ampctl.commands.plot import maybe_plot_run
 
         got = maybe_plot_run(run_dir)
+        if isinstance(got, Path):
+            trainer.log.artifact(got)
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
-    if result.status == "aborted":
+    if result.status == "diverged":
+        good = summary.get("last_good_checkpoint")
         console.print(
-            "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
-            f"`ampctl diagnose {run_dir}`, precision=bf16, a lower optim.lr, or scaler.init_scale "
-            "lower.",
+            "[red]Training stopped: the loss diverged[/red] (see the divergence event in "
+            "events.jsonl). Lower optim.lr (halve it, or more), or add warmup (optim.warmup_steps) "
+            "or clipping (optim.clip_grad_norm)"
+            + (
+                f", and resume from the last good checkpoint: ampctl train --resume {good} optim.lr=..."
+                if good
+                else ""
+            )
+            + ".",
             highlight=False,
             soft_wrap=True,
         )
-    elif result.status == "failed":
+    elif result.status == "aborted":
         console.print(
-            f"[red]Training stopped:[/red] {trainer.failure}", highlight=False, soft_wrap=True
+            "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
+            f"`ampctl diagnose {escape(str(run_dir))}`, precision=bf16, a lower optim.lr, or "
+            "scaler.init_scale lower.",
+            highlight=False,
+            soft_wrap=True,
+        )
+    elif result.status == "failed":  # the failure as written: install hints hold "[extra]"
+        console.print(
+            f"[red]Training stopped:[/red] {escape(str(trainer.failure))}",
+            highlight=False,
+            soft_wrap=True,
         )
     elif result.status == "interrupted":
         console.print(

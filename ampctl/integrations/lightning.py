@@ -17,7 +17,7 @@ the skip budget, the floor policy including the precision fallback fp16 -> bf16 
 plugin owns autocast, so it can switch), the forward-overflow replay (``training_step`` with
 logging muted) and fp32 promotion; and the run folder (``metrics.jsonl``, ``events.jsonl``,
 ``config.yaml``, ``summary.json``). Checkpoints stay Lightning's: the plugin's state (the scaler's
-``state_dict`` plus ``"ampctl": {"precision", "exempted"}``) and the callback's (the guard's
+``state_dict`` plus ``"ampctl": {"precision", "in_fp32"}``) and the callback's (the guard's
 history) are in them, and ``trainer.fit(..., ckpt_path=...)`` resumes the run folder too.
 
 Step-interval lr schedulers do not advance on a skipped step (the schedule follows the updates
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ampctl.amp import LossScaler, make_precision
-from ampctl.amp.precision import PLUGINS, Precision
+from ampctl.amp.precision import PLUGINS, Precision, saved_in_fp32
 from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import TrainAborted
 from ampctl.protect.settings import GuardConfig
@@ -155,7 +155,7 @@ class AmpctlPrecision(MixedPrecision):
     # ------------------------------------------------------------------ Lightning hooks
     def convert_module(self, module: nn.Module) -> nn.Module:
         self._module = module
-        self.amp.prepare(module)  # the fp32 exemptions (idempotent)
+        self.amp.prepare(module)  # the fp32 modules (idempotent)
         return module
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]):
@@ -179,7 +179,7 @@ class AmpctlPrecision(MixedPrecision):
         reached and the modules moved to fp32. **Syncs** (the scaler's state)."""
         return {
             **self.scaler.state_dict(),
-            "ampctl": {"precision": self.amp.name, "exempted": list(self.amp.exempted)},
+            "ampctl": {"precision": self.amp.name, "in_fp32": list(self.amp.in_fp32)},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -191,8 +191,8 @@ class AmpctlPrecision(MixedPrecision):
         if name != self.amp.name:
             self._switch(_precision_name(name, "AmpctlPrecision checkpoint"))
         if self._module is not None:
-            for n in saved.get("exempted", []):
-                self.amp.exempt(self._module, n)
+            for n in saved_in_fp32(saved):
+                self.amp.to_fp32(self._module, n)
         self.scaler.load_state_dict(state)
 
     def _switch(self, name: str) -> None:
@@ -257,6 +257,8 @@ class AmpctlCallback(Callback):
         skip_aware_lr: step-interval lr schedulers do not advance on skipped steps.
         overflow_window: the steps a row's ``overflow_rate`` covers.
         tensorboard: also write TensorBoard scalars into the run folder.
+        logging: the sinks beside the run folder (MLflow, W&B, TensorBoard) and the plot: a
+            ``LoggingConfig`` or a mapping of its fields (:class:`~ampctl.integrations.ProtectedRun`).
     """
 
     def __init__(
@@ -273,6 +275,7 @@ class AmpctlCallback(Callback):
         skip_aware_lr: bool = True,
         overflow_window: int = 50,
         tensorboard: bool = False,
+        logging: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.precision = None if precision is None else _precision_name(precision, "AmpctlCallback")
@@ -285,6 +288,7 @@ class AmpctlCallback(Callback):
         self.skip_aware_lr = skip_aware_lr
         self.overflow_window = overflow_window
         self.tensorboard = tensorboard
+        self.logging = logging
         self.run: ProtectedRun | None = None
         self.plugin: AmpctlPrecision | None = None
         self.status = "ok"
@@ -364,6 +368,7 @@ class AmpctlCallback(Callback):
             forward=self.forward,
             progress=_Schedulers(trainer),
             tensorboard=self.tensorboard,
+            logging=self.logging,
             loop=LoopInfo(
                 framework="lightning",
                 config={
@@ -429,8 +434,8 @@ class AmpctlCallback(Callback):
             loss = None
         try:
             self.run.after_step(loss, batch, step=trainer.global_step)
-        except TrainAborted:
-            self.status = "aborted"
+        except TrainAborted as e:
+            self.status = e.status  # aborted | diverged
             trainer.should_stop = True  # Lightning stops after this batch; checkpoints stay
 
     # ------------------------------------------------------------------ the end

@@ -53,7 +53,7 @@ from torch import nn
 
 from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.checks import FieldError, is_int
-from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision
+from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision, saved_in_fp32
 from ampctl.amp.scaler import OptState
 from ampctl.amp.stats import grad_stats
 from ampctl.protect.figures import DeviceFigures, LogWindow, gather_log_figures
@@ -61,7 +61,7 @@ from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted
 from ampctl.protect.records import metrics_row, run_summary, write_config
-from ampctl.protect.settings import GuardConfig
+from ampctl.protect.settings import GuardConfig, LoggingConfig
 from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
 
 from .common import (
@@ -156,6 +156,11 @@ class ProtectedRun:
             with ``state_dict`` / ``load_state_dict``, e.g. the lr scheduler).
         fp32_modules: fnmatch patterns of module names kept in fp32 from the start.
         tensorboard: also write TensorBoard scalars (needs ``tensorboard``).
+        logging: a :class:`~ampctl.protect.settings.LoggingConfig` or a mapping of its fields:
+            the sinks beside the run folder (``tensorboard``, ``mlflow``, ``wandb`` and their
+            ``mlflow_uri``, ``wandb_mode`` ...; see ``ampctl train``'s ``logging.*``), and
+            ``plot`` (default true: draw ``plot.png`` at :meth:`finish`, when matplotlib is
+            installed, and send it to the sinks). Without it: only ``tensorboard=``, no plot.
         loop: how the loop around the run behaves (:class:`LoopInfo`; integrations set it).
     """
 
@@ -176,9 +181,14 @@ class ProtectedRun:
         progress: Any = None,
         fp32_modules: Iterable[str] = (),
         tensorboard: bool = False,
+        logging: LoggingConfig | Mapping[str, Any] | None = None,
         loop: LoopInfo | None = None,
     ) -> None:
         _check_counts(log_every=log_every, max_steps=max_steps, overflow_window=overflow_window)
+        self._logging = (
+            _fields_arg(LoggingConfig, logging, "logging") if logging is not None else None
+        )
+        self._plot = self._logging is not None and self._logging.plot
         self.model = model
         self.run_dir = Path(run_dir)
         self.loop = loop or LoopInfo()
@@ -189,7 +199,7 @@ class ProtectedRun:
             model,
             optimizer,
             amp,
-            config=_guard_config(guard),
+            config=_fields_arg(GuardConfig, guard, "guard") if guard is not None else GuardConfig(),
             emit=self._emit,
             progress_state=progress.state_dict if progress is not None else None,
             forward=forward,
@@ -318,10 +328,13 @@ class ProtectedRun:
         restored = resumed and self._restore_scaler(layout, step)
         self.display = self._make_display()
         self.log = RunLogger(
-            self.run_dir, is_main=self.is_main, display=self.display, tensorboard=self._tensorboard
+            self.run_dir,
+            is_main=self.is_main,
+            display=self.display,
+            tensorboard=self._tensorboard,
+            logging=self._logging,
         )
-        if self.log.tb_hint:
-            self.log.event({"step": step, "kind": "warning", "message": self.log.tb_hint})
+        self.log.open(step, self._config())
         if resumed:
             where = f" from {resumed_from}" if resumed_from is not None else ""
             scale = f"; the scale {restored:g} from the run folder" if restored else ""
@@ -520,9 +533,11 @@ class ProtectedRun:
             self._apply(
                 self.protection.after_step(step, skipped=skipped, batches=cur.batches or None)
             )
-            return self._log_row(step, stats, cur.lr) if log else None
-        except TrainAborted:
-            self.status = "aborted"
+            row = self._log_row(step, stats, cur.lr) if log else None
+            self.protection.mark_step_start()  # the next step starts here (guard.rerun)
+            return row
+        except TrainAborted as e:
+            self.status = e.status  # aborted | diverged
             raise
 
     def _log_row(self, step: int, stats: dict[str, torch.Tensor] | None, lr: Any) -> dict[str, Any]:
@@ -540,7 +555,7 @@ class ProtectedRun:
         )
         v = fig.read()  # the log read
         window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        self._apply(self.protection.on_log_read(v))
+        self._apply(self.protection.on_log_read(step, v))
         row = metrics_row(
             v,
             step=step,
@@ -559,10 +574,20 @@ class ProtectedRun:
 
     def _apply(self, rewind: Rewind | None) -> None:
         """A rollback or fallback restored weights, optimizer state and scale: put the caller's
-        ``progress`` (e.g. the lr scheduler) back too. The loop's own step counter and data go
-        on (this run does not own them)."""
-        if rewind is not None and self._progress is not None and rewind.progress is not None:
+        ``progress`` (e.g. the lr scheduler) back too, and cut the lr by a divergence rollback's
+        factor (the optimizer's groups, and the ``base_lrs`` of a torch lr scheduler passed as
+        ``progress``). The loop's own step counter and data go on (this run does not own
+        them)."""
+        if rewind is None:
+            return
+        if self._progress is not None and rewind.progress is not None:
             self._progress.load_state_dict(rewind.progress)
+        if rewind.lr_factor != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * rewind.lr_factor
+            base = getattr(self._progress, "base_lrs", None)
+            if isinstance(base, list):
+                self._progress.base_lrs = [b * rewind.lr_factor for b in base]
 
     # ------------------------------------------------------------------ events
     def _emit(self, ev: dict[str, Any]) -> None:
@@ -592,8 +617,8 @@ class ProtectedRun:
         if status == "ok":
             try:
                 self._apply(self.protection.sync())
-            except TrainAborted:
-                status = "aborted"
+            except TrainAborted as e:
+                status = e.status
         self.status = status
         assert self.log is not None
         summary = run_summary(
@@ -612,13 +637,23 @@ class ProtectedRun:
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
-        self.log.close()
+        if self._plot and self.is_main:
+            self._send_plot()
+        self.log.close(status)
         if self.display is not None and callable(getattr(self.display, "summary", None)):
             self.display.summary(summary)
         if self._own_display and self.display is not None:
             self.display.__exit__(None, None, None)
         self.summary = summary
         return summary
+
+    def _send_plot(self) -> None:
+        """``plot.png`` into the run folder and to the sinks (nothing without matplotlib)."""
+        from ampctl.commands.plot import maybe_plot_run
+
+        got = maybe_plot_run(self.run_dir)
+        if isinstance(got, Path) and self.log is not None:
+            self.log.artifact(got)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -633,7 +668,7 @@ class ProtectedRun:
             "tokens": self._tokens_total,
             "wall_s": self._elapsed(),
             "precision": self.precision.name,
-            "exempted": list(self.precision.exempted),
+            "in_fp32": list(self.precision.in_fp32),
         }
 
     def load_state_dict(
@@ -654,9 +689,9 @@ class ProtectedRun:
         self.protection.load_state_dict(dict(state.get("protection", state.get("guard", {}))))
         self._tokens_total = int(state.get("tokens", 0))
         self._wall_before = float(state.get("wall_s", 0.0))
-        for name in state.get("exempted", []):
+        for name in saved_in_fp32(state):
             try:
-                self.precision.exempt(self.model, name)
+                self.precision.to_fp32(self.model, name)
             except AttributeError:  # the module is gone (another model): nothing to keep
                 continue
 
@@ -692,7 +727,7 @@ def _status_of(exc_type: Any) -> str | None:
     if exc_type is None:
         return None
     if issubclass(exc_type, TrainAborted):
-        return "aborted"
+        return exc_type.status  # aborted | diverged
     if issubclass(exc_type, KeyboardInterrupt):
         return "interrupted"
     return "failed"
@@ -766,23 +801,23 @@ def _loop_precision(
     return amp
 
 
-def _guard_config(guard: GuardConfig | Mapping[str, Any] | None) -> GuardConfig:
-    if guard is None:
-        return GuardConfig()
-    if isinstance(guard, GuardConfig):
-        return guard
-    if not isinstance(guard, Mapping):
+def _fields_arg(cls: type, value: Any, arg: str) -> Any:
+    """``value`` as a ``cls`` config (``GuardConfig``, ``LoggingConfig``): one already, or a
+    mapping of its fields; anything else is an :class:`IntegrationError` naming ``arg``."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
         raise IntegrationError(
-            f"ProtectedRun: guard={guard!r} is not allowed: guard must be a GuardConfig or a "
+            f"ProtectedRun: {arg}={value!r} is not allowed: {arg} must be a {cls.__name__} or a "
             "mapping of its fields"
         )
-    names = {f.name for f in dataclasses.fields(GuardConfig)}
-    unknown = sorted(set(guard) - names)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
     if unknown:
         raise IntegrationError(
-            f"ProtectedRun: guard has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
+            f"ProtectedRun: {arg} has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
         )
     try:
-        return GuardConfig(**guard)
+        return cls(**value)
     except FieldError as e:
-        raise IntegrationError(e.named("guard")) from None
+        raise IntegrationError(e.named(arg)) from None

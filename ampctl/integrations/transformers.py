@@ -12,7 +12,9 @@ model: the overflow event with the parameters whose gradients were non-finite, r
 optimizer state, scale, lr scheduler), skip budget, floor policy, forward-overflow replay and fp32
 promotion, and the run folder (``metrics.jsonl`` with scale, skipped, overflow rate, grad norm /
 max / underflow before clipping, lr, loss; ``events.jsonl``; ``summary.json``; and the live table
-with ``display=``). It installs itself in ``__init__``-time objects only, so call it for the
+with ``display=``). With ``report_to`` naming ``mlflow`` or ``wandb``, ampctl's figures, events
+and summary join the Trainer's own MLflow / W&B run (``logging=`` chooses the sinks instead;
+:mod:`ampctl.ui.sinks`). It installs itself in ``__init__``-time objects only, so call it for the
 resumed Trainer too: ``train(resume_from_checkpoint=...)`` then loads the scaler's state into
 the LossScaler and the guard's history from the checkpoint's ``ampctl_run.json``; the run folder
 continues.
@@ -108,6 +110,7 @@ class AmpctlTrainerCallback(TrainerCallback):
         overflow_window: int = 50,
         tensorboard: bool = False,
         skip_aware_lr: bool = True,
+        logging: Any = None,
     ) -> None:
         self.trainer = trainer
         self.skip_aware_lr = skip_aware_lr
@@ -118,6 +121,7 @@ class AmpctlTrainerCallback(TrainerCallback):
         self.fp32_modules = list(fp32_modules)
         self.overflow_window = overflow_window
         self.tensorboard = tensorboard
+        self.logging = logging
         self.run: ProtectedRun | None = None
         self.status = "ok"
         self.resume_from: str | None = None
@@ -148,6 +152,7 @@ class AmpctlTrainerCallback(TrainerCallback):
             progress=_SchedulerProgress(tr),
             fp32_modules=self.fp32_modules,
             tensorboard=self.tensorboard,
+            logging=self.logging if self.logging is not None else _reported(args),
             loop=LoopInfo(
                 framework="transformers",
                 config={"transformers": {"optim": str(args.optim), "output_dir": args.output_dir}},
@@ -171,7 +176,8 @@ class AmpctlTrainerCallback(TrainerCallback):
 
     def _wrap_clip(self, acc: Any) -> None:
         """Take a log step's gradient statistics before the Trainer clips (its clip unscales
-        first; the statistics work on the scaled gradients)."""
+        first; the statistics work on the scaled gradients), and hand the norm the clip computes
+        to the scaler (the spike rule's gradient-norm figure)."""
         if self._clip_wrapped is acc:
             return
         original = acc.clip_grad_norm_
@@ -180,7 +186,10 @@ class AmpctlTrainerCallback(TrainerCallback):
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             if cb.run is not None and cb.run.summary is None:
                 cb.run.before_step(cb.trainer.state.global_step + 1)
-            return original(*args, **kwargs)
+            norm = original(*args, **kwargs)
+            if cb.run is not None and isinstance(norm, torch.Tensor):
+                cb.run.scaler.report_grad_norm(norm)  # recorded; the spike rule's second figure
+            return norm
 
         acc.clip_grad_norm_ = clip_grad_norm_
         self._clip_wrapped = acc
@@ -205,8 +214,8 @@ class AmpctlTrainerCallback(TrainerCallback):
             return
         try:
             self.run.after_step(step=state.global_step + 1)
-        except TrainAborted:
-            self.status = "aborted"
+        except TrainAborted as e:
+            self.status = e.status  # aborted | diverged
             control.should_training_stop = True
 
     # ------------------------------------------------------------------ checkpoints, end
@@ -224,6 +233,15 @@ class AmpctlTrainerCallback(TrainerCallback):
         self._unwrap_clip()
         if self.run is not None and self.run.summary is None:
             self.run.finish(status)
+
+
+def _reported(args: Any) -> dict[str, Any] | None:
+    """ampctl's sinks for the trackers the Trainer reports to (``report_to``): its figures join
+    the Trainer's MLflow / W&B run (:mod:`ampctl.ui.sinks`); None when it reports to neither."""
+    reports = set(getattr(args, "report_to", None) or [])
+    if not reports & {"mlflow", "wandb"}:
+        return None
+    return {"mlflow": "mlflow" in reports, "wandb": "wandb" in reports, "plot": False}
 
 
 def _keep_checkpoints_plain(trainer: Trainer, native: dict[str, bool]) -> None:
@@ -265,6 +283,7 @@ def protect_trainer(
     skip_aware_lr: bool = True,
     overflow_window: int = 50,
     tensorboard: bool = False,
+    logging: Any = None,
 ) -> AmpctlTrainerCallback:
     """Give ``trainer`` ampctl's LossScaler, guard and run folder (module docstring); returns the
     callback (its ``run`` is the :class:`~ampctl.integrations.ProtectedRun` once training starts).
@@ -283,6 +302,10 @@ def protect_trainer(
             optimizer (one host read per step there).
         overflow_window: the steps a row's ``overflow_rate`` covers.
         tensorboard: also write TensorBoard scalars into the run folder.
+        logging: the sinks beside the run folder and the plot: a ``LoggingConfig`` or a mapping
+            of its fields (:class:`~ampctl.integrations.ProtectedRun`). Default: the trackers
+            the Trainer reports to (``report_to`` with ``mlflow`` / ``wandb``), where ampctl's
+            figures join the Trainer's own run instead of opening a second one.
     """
     if not isinstance(trainer, Trainer):
         raise IntegrationError(
@@ -314,6 +337,7 @@ def protect_trainer(
         overflow_window=overflow_window,
         tensorboard=tensorboard,
         skip_aware_lr=skip_aware_lr,
+        logging=logging,
     )
     trainer.add_callback(cb)
     setattr(trainer, _MARK, cb)

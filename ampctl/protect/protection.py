@@ -54,23 +54,37 @@ import torch
 from torch import nn
 
 from ampctl.amp import records as rec
-from ampctl.amp.fp8 import DemoteRules, Fp8Health, LayerSample, decide_demotions
-from ampctl.amp.guard import Action, Decision, OverflowGuard
-from ampctl.amp.locate import first_bad, trace_modules
+from ampctl.amp.fp8 import Fp8Health
+from ampctl.amp.guard import Action, Decision, DivergenceWatch, OverflowGuard
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
 from ampctl.amp.precision import Precision, bf16_supported
 from ampctl.amp.scaler import LossScaler
 from ampctl.protect.loss import ForwardLoss, default_forward
+from ampctl.protect.replays import Replays
 from ampctl.protect.settings import GuardConfig
 from ampctl.protect.snapshot import Snapshot
 from ampctl.protect.spike import SpikeRule
 from ampctl.protect.switch import switch_precision
 
-__all__ = ["Protection", "Rewind", "TrainAborted"]
+__all__ = ["Protection", "Rewind", "TrainAborted", "TrainDiverged"]
 
 
 class TrainAborted(RuntimeError):
     """The guard gave up (abort policy, or nothing left to fall back to)."""
+
+    status = "aborted"
+
+
+class TrainDiverged(TrainAborted):
+    """The loss diverged (the divergence rule, action ``stop``): the run stops with status
+    ``diverged``. ``since``: the first step of the diverging log rows (a checkpoint written before
+    it is the last good one)."""
+
+    status = "diverged"
+
+    def __init__(self, reason: str, since: int) -> None:
+        super().__init__(reason)
+        self.since = since
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,8 @@ class Rewind:
     to_step: int  # the step whose state is back
     progress: Any = None
     discarded_steps: int = 0  # steps that had run after from_step (fused path: decided late)
+    skip_batches: int = 0  # guard.skip_batches: batches to move past the one that caused it
+    lr_factor: float = 1.0  # a rollback for divergence cuts the lr by this factor
 
 
 _ASK = object()  # take_snapshot: ask the loop for its position
@@ -104,7 +120,7 @@ class _Pending:
 Emit = Callable[[dict[str, Any]], None]  # emit(event): records one event dict
 
 
-class Protection:
+class Protection(Replays):
     """Snapshot, restore, attribution, forward locate + promotion and precision fallback, decided
     by the overflow guard (see the module docstring).
 
@@ -132,6 +148,8 @@ class Protection:
         fallback_unavailable: why this loop cannot switch precision (e.g. a framework that owns
             autocast and the scaler); a fallback decision then aborts with this reason. None:
             fallbacks are carried out (see ``rebuild_optimizer``).
+        rerun_clip: the loop's gradient clipping, applied to a step retried after a clean
+            rerun (``guard.rerun``); None: not clipped.
     """
 
     def __init__(
@@ -147,6 +165,7 @@ class Protection:
         rebuild_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         dist: Any = None,
         fallback_unavailable: str | None = None,
+        rerun_clip: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -174,6 +193,12 @@ class Protection:
             enabled=c.enabled and c.spike,
         )
         self._read_end = 0
+        self.divergence = DivergenceWatch(c.divergence_rules)
+        self.promoted_at: dict[str, int] = {}  # modules the guard moved to fp32, and when
+        self.not_the_cause: set[str] = set()  # moved to fp32, overflowed there too, moved back
+        self.rerun_clip = rerun_clip
+        self.retried = False  # the last step was skipped, rerun clean and applied
+        self._rng_at_step: Any = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -224,6 +249,7 @@ class Protection:
         decided here (the loop restores its position from it), else None. No host read on a
         clean step (see the module docstring for the others). May raise :class:`TrainAborted`."""
         self._step = step
+        self.retried = False
         if not self.enabled:
             return None
         if skipped is None:  # decided at the next read
@@ -235,9 +261,15 @@ class Protection:
             return None
         # one read for the skipped step: its record and the scale after it, with attribution
         names, record, scale_after = self._attribute()
+        kind = rec.kind(record, check_loss=self.scaler.check_loss)
+        if self.config.rerun and self._rerun(step, batches, record, kind) == "transient":
+            # retried with the rerun's gradients: a clean step, at the scale it used
+            self._keep_scale(record[rec.SCALE], scale_after)
+            self._observe(step, kind=rec.CLEAN)
+            return None
         return self._observe(
             step,
-            kind=rec.kind(record, check_loss=self.scaler.check_loss),
+            kind=kind,
             record=record,
             scale_after=scale_after,
             names=names,
@@ -252,14 +284,75 @@ class Protection:
         if pending is not None:
             fig.add("pending_decisions", pending, vector=True)
         self.spike.figures(fig, self.scaler)
+        if self.divergence.start is None and self.enabled and self.config.divergence:
+            first = self.scaler.first_loss()  # once: the divergence rule's starting point
+            if first is not None:  # the mean over ranks of the finite ones
+                ok = torch.isfinite(first)
+                both = torch.stack([torch.where(ok, first, 0.0), ok.double()])
+                fig.add("start_loss", both, "sum", vector=True)
 
-    def on_log_read(self, values: dict[str, Any]) -> Rewind | None:
-        """After the log read: new spike thresholds from the window, then the waiting decisions
-        (:meth:`on_read`: may restore a snapshot, switch precision or raise
-        :class:`TrainAborted`). No host read of its own."""
+    def on_log_read(self, step: int, values: dict[str, Any]) -> Rewind | None:
+        """After the log read of ``step``: new spike thresholds from the window, the waiting
+        decisions (:meth:`on_read`: may restore a snapshot, switch precision or raise
+        :class:`TrainAborted`), then the divergence rule on the interval's loss (may raise
+        :class:`TrainDiverged` or roll back). No host read of its own."""
         self.spike.on_read(values, self.scaler)
+        start = values.get("start_loss")
+        if start is not None and self.divergence.start is None:  # NaN: no finite first loss
+            self.divergence.start = start[0] / start[1] if start[1] > 0 else math.nan
         pending = values.get("pending_decisions")
-        return self.on_read(pending) if pending is not None else None
+        rewind = self.on_read(pending) if pending is not None else None
+        if rewind is not None or not (self.enabled and self.config.divergence):
+            return rewind
+        n = values.get("loss_n", 0.0)
+        loss = values["loss_sum"] / n if n else math.nan
+        return self._watch_divergence(step, loss)
+
+    def _watch_divergence(self, step: int, loss: float) -> Rewind | None:
+        """The divergence rule on one row's loss, and its action: ``stop`` raises
+        :class:`TrainDiverged`; ``rollback`` restores the last snapshot taken before the
+        diverging rows began, with the lr cut (else it stops: no good state is kept);
+        ``warn`` records it. Each is a ``divergence`` event."""
+        watch = self.divergence
+        watch_rows = list(watch.losses) + [loss]  # the course the decision is taken on
+        decision = watch.observe(step, loss)
+        if decision.action is Action.CONTINUE:
+            return None
+        since = watch.good_step  # the last row before the diverging ones
+        lowest = min((x for x in watch_rows if math.isfinite(x)), default=math.nan)
+        start = watch.start
+        if start is not None and math.isfinite(start) and not start >= lowest:
+            lowest = start  # the rule held against the run's first loss
+        ratio = loss / lowest if lowest and math.isfinite(lowest) else math.nan
+        extra = {"loss": loss, "min_loss": lowest, "ratio": ratio, "since": since}
+        snap = self.snapshot
+        if decision.action is Action.ROLLBACK and (snap is None or snap.step > since):
+            decision = Decision(
+                action=Action.ABORT,
+                reason=f"{decision.reason}; no state from step {since} or before is kept to "
+                "roll back to",
+            )
+        if decision.action is Action.WARN:
+            self.emit(step, "divergence", decision.reason, action="warn", **extra)
+            return None
+        if decision.action is Action.ABORT:
+            self.emit(step, "divergence", decision.reason, action="stop", **extra)
+            raise TrainDiverged(decision.reason, since)
+        cut = self.config.divergence_lr_cut
+        assert snap is not None
+        self.restore(snap)
+        self.guard.after_rollback()
+        self.emit(
+            snap.step,
+            "divergence",
+            f"{decision.reason}: restored step {snap.step}, lr x{cut:g}",
+            action="rollback",
+            lr_factor=cut,
+            to_step=snap.step,
+            from_step=step,
+            **extra,
+        )
+        return Rewind("rollback", step, snap.step, snap.progress, lr_factor=cut)
 
     # ------------------------------------------------------------------ the fused path
     def pending_reads(self) -> torch.Tensor | None:
@@ -295,6 +388,7 @@ class Protection:
                 "last read: guard decisions for the older ones are lost (raise "
                 "scaler.history_size above trainer.log_every)",
             )
+        self._read_step = pending[-1].step
         for i, p in enumerate(pending):
             row = by_update.get(p.update)
             if row is None:
@@ -312,7 +406,10 @@ class Protection:
                 ran_after=len(pending) - i - 1,
             )
             if rewind is not None:
-                return rewind  # the steps run after the decision are discarded
+                # the steps run after the decision are discarded: their skips are still written
+                for q in pending[i + 1 :]:
+                    self._discarded_event(q, by_update, scale_now)
+                return rewind
         # a snapshot only where the state is known to be good: a read point after a clean step,
         # at least snapshot_every steps after the previous snapshot
         last = pending[-1].step
@@ -328,78 +425,6 @@ class Protection:
         t = self.pending_reads()
         return self.on_read(t.tolist()) if t is not None else None
 
-    # ------------------------------------------------------------------ fp8 layers
-    def after_log(self, step: int) -> None:
-        """After the loop's log read: apply the fp8 demotion rules to the per-layer cast health
-        the precision's probe sampled on this log step (if any), and demote the layers they
-        name. No host read (the figures came with the log read)."""
-        for probe in self.precision.probes():
-            take = getattr(probe, "take_sample", None)
-            sample = take() if take is not None else None
-            if sample is None or not self.enabled or not self.config.fp8_demote:
-                continue
-            names, rows = sample
-            for name, reason in self.fp8_health.observe(names, rows).items():
-                self.demote_layer(step, name, reason)
-
-    def _replay_casts(
-        self, step: int, batches: list[dict[str, torch.Tensor]], late_by: int | None
-    ) -> None:
-        """A gradient overflow in a run with fp8 layers: replay the step's forward and backward
-        with the cast probe (gradients discarded, RNG state kept) and demote the layer whose
-        cast went non-finite first. Under torchrun the ranks demote the union of what each
-        found. **Syncs** once (the replayed figures); nothing happens without fp8 layers."""
-        if not (self.enabled and self.config.fp8_demote and self.precision.demotable(self.model)):
-            return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-
-        def run() -> None:
-            for batch in batches:
-                with self.precision.autocast():
-                    loss = self.forward(self.model, batch)
-                torch.autograd.grad(loss, params, allow_unused=True)
-
-        dev = self._device()
-        cuda = []
-        if dev.type == "cuda":
-            cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
-        with torch.random.fork_rng(devices=cuda):
-            got = self.precision.replay_casts(self.model, run)
-        found: dict[str, str] = {}
-        if got is not None:
-            names, rows = got
-            history = {
-                n: [LayerSample.from_row(r)] for n, r in zip(names, rows.tolist(), strict=True)
-            }
-            # one replayed sample: with patience 2 only the non-finite rules (1, 2) can fire
-            found = decide_demotions(history, DemoteRules(patience=2))
-        if self.dist is not None and getattr(self.dist, "enabled", False):
-            merged: dict[str, str] = {}
-            for part in self.dist.all_gather_object(found):
-                for n, why in (part or {}).items():
-                    merged.setdefault(n, why)
-            found = merged
-        late = f" (replayed on the weights of step {step + late_by})" if late_by else ""
-        for name, reason in found.items():
-            self.demote_layer(step, name, f"{reason} on the replay of the skipped step{late}")
-
-    def demote_layer(self, step: int, name: str, reason: str) -> bool:
-        """Demote the low-precision layer ``name`` (fp8 -> bf16, same Parameters and optimizer
-        state) and record a ``demotion`` event. Returns False when it is not such a layer."""
-        if not self.precision.demote(self.model, name, reason):
-            return False
-        self.fp8_health.forget(name)
-        self.emit(
-            step,
-            "demotion",
-            f"{name}: fp8 -> bf16 ({reason})",
-            module=name,
-            reason=reason,
-            to_precision="bf16",
-        )
-        return True
-
-    # ------------------------------------------------------------------ deciding
     def _attribute(self) -> tuple[list[str] | None, list[float], float]:
         """Names of the non-finite gradients (up to ``attribution_limit``; None when attribution
         is off), the last step's record and the scale after the step. **Syncs** once:
@@ -461,6 +486,21 @@ class Protection:
         )
         return self._apply(decision, step, scale_after, ran_after)
 
+    def _discarded_event(
+        self, p: _Pending, by_update: dict[int, list[float]], scale: float
+    ) -> None:
+        """A skip on a step that a later rollback discarded (fused path): written, marked
+        ``discarded``, with no decision of its own."""
+        row = by_update.get(p.update)
+        kind = rec.kind(row, check_loss=self.scaler.check_loss) if row is not None else rec.CLEAN
+        if row is None or kind == rec.CLEAN:
+            return
+        late = self._read_step - p.step
+        if kind == rec.SPIKE:
+            self._spike_event(p.step, row, scale, late, discarded=True)
+        else:
+            self._overflow_event(p.step, kind == rec.FORWARD, scale, None, late, discarded=True)
+
     def _keep_scale(self, used: float, after: float) -> float:
         """A forward overflow or a spike backed the scale off (the scaler's rule cannot tell it
         from a gradient overflow), though a smaller scale cures neither: put the factor back on
@@ -472,7 +512,12 @@ class Protection:
         return used
 
     def _spike_event(
-        self, step: int, record: list[float] | None, scale: float, late_by: int | None
+        self,
+        step: int,
+        record: list[float] | None,
+        scale: float,
+        late_by: int | None,
+        discarded: bool = False,
     ) -> None:
         """A step the spike rule vetoed: its loss (or gradient norm), the threshold and the
         z-scores against the window the threshold came from."""
@@ -494,6 +539,9 @@ class Protection:
         zs = f" (z = {z:.1f})" if isinstance(z, float) and math.isfinite(z) else ""
         if late_by:
             extra["decided_at_step"] = step + late_by
+        if discarded:
+            extra["discarded"] = True
+            zs += "; the step was discarded by a rollback decided later"
         self.emit(step, "spike", f"spike, step skipped: {what}{zs}", **extra)
 
     def _overflow_event(
@@ -503,9 +551,12 @@ class Protection:
         scale: float,
         names: list[str] | None,
         late_by: int | None,
+        discarded: bool = False,
     ) -> None:
         kind = "forward" if forward else "gradient"
         msg = f"{kind} overflow, step skipped; scale now {scale:g}"
+        if discarded:
+            msg = f"{kind} overflow, step skipped, then discarded by a rollback decided later"
         extra: dict[str, Any] = {"overflow": kind, "scale": scale}
         if names:
             msg += f"; non-finite grads in {', '.join(names)}"
@@ -519,55 +570,9 @@ class Protection:
             )
         if late_by:
             extra["decided_at_step"] = step + late_by
+        if discarded:
+            extra["discarded"] = True
         self.emit(step, "overflow", msg, **extra)
-
-    def _locate_and_promote(
-        self, step: int, batches: list[dict[str, torch.Tensor]], late_by: int | None
-    ) -> None:
-        """Replay the step's batches with forward hooks and promote the first module whose
-        output is non-finite. Every batch is replayed (ranks stay in step under FSDP) and the
-        ranks agree on one module (the first found, in rank order). **Syncs** (the replay)."""
-        found = None
-        for batch in batches:
-            with torch.no_grad(), self.precision.autocast():
-                traces, _ = trace_modules(self.model, lambda b=batch: self.forward(self.model, b))
-            bad = first_bad(traces)
-            if bad is not None and found is None:
-                found = (bad.name, bad.dtype)
-        if self.dist is not None and getattr(self.dist, "enabled", False):
-            found = next((f for f in self.dist.all_gather_object(found) if f is not None), None)
-        late = f" (replayed on the weights of step {step + late_by})" if late_by else ""
-        if found is None:
-            self.emit(
-                step,
-                "locate",
-                "forward overflow did not reproduce on replay (non-deterministic or "
-                f"data-dependent){late}",
-            )
-            return
-        name, dtype = found
-        if name == "<model>" or not self.config.promote or self.precision.name == "fp32":
-            self.emit(
-                step,
-                "locate",
-                f"forward overflow first appears in {name} ({dtype}){late}",
-                module=name,
-            )
-            return
-        for layer in self.precision.demotable(self.model, name):
-            self.demote_layer(step, layer, f"inside '{name}', promoted to fp32")
-        if self.precision.exempt(self.model, name):
-            self.emit(
-                step,
-                "promotion",
-                f"forward overflow first appears in {name} (non-finite, {dtype}): now runs in "
-                f"fp32{late}",
-                module=name,
-            )
-        else:
-            self.emit(
-                step, "locate", f"forward overflow in {name}, already fp32{late}", module=name
-            )
 
     # ------------------------------------------------------------------ acting
     def _apply(
@@ -617,7 +622,14 @@ class Protection:
                 from_step=step,
                 **late,
             )
-            return Rewind("rollback", step, to_step, progress, ran_after)
+            return Rewind(
+                "rollback",
+                step,
+                to_step,
+                progress,
+                ran_after,
+                skip_batches=self.config.skip_batches,
+            )
         old = self.precision.name
         self.switch_precision(decision.precision, scale=snap_scale)
         self.guard.after_fallback()
@@ -681,7 +693,7 @@ class Protection:
 
     def switch_precision(self, name: str, *, scale: float | None = None) -> None:
         """Move the run to precision ``name`` in place, keeping weights, optimizer state,
-        exempted modules and the scaler's counters (the scale restarts at ``scale`` when the new
+        fp32 modules and the scaler's counters (the scale restarts at ``scale`` when the new
         precision scales the loss)."""
         opt_state = self.optimizer.state_dict()
         new = switch_precision(self.precision, name, self.model, device=self._device(), scale=scale)
@@ -696,8 +708,17 @@ class Protection:
     def state_dict(self) -> dict[str, Any]:
         """The guard's host-side history and the spike rule's window statistics (the snapshot
         is not saved: a checkpoint is one)."""
-        return {**self.guard.state_dict(), "spike": self.spike.state_dict()}
+        return {
+            **self.guard.state_dict(),
+            "spike": self.spike.state_dict(),
+            "divergence": self.divergence.state_dict(),
+            "promoted_at": dict(self.promoted_at),
+            "not_the_cause": sorted(self.not_the_cause),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
         self.spike.load_state_dict(state.get("spike") or {}, self.scaler)
+        self.divergence.load_state_dict(state.get("divergence") or {})
+        self.promoted_at = {str(k): int(v) for k, v in (state.get("promoted_at") or {}).items()}
+        self.not_the_cause = {str(n) for n in state.get("not_the_cause") or ()}

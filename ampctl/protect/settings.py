@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 from ampctl.amp.checks import is_finite, is_int, need
 from ampctl.amp.fp8 import DemoteRules
-from ampctl.amp.guard import GuardRules
+from ampctl.amp.guard import DIVERGENCE_ACTIONS, DivergenceRules, GuardRules
 from ampctl.amp.precision import PRECISIONS
 
-__all__ = ["GuardConfig", "LoggingConfig"]
+__all__ = ["GuardConfig", "LoggingConfig", "WANDB_MODES"]
+
+#: ``logging.wandb_mode``: offline (nothing leaves the machine) or online.
+WANDB_MODES = ("offline", "online")
 
 
 @dataclass(kw_only=True)
@@ -40,8 +43,19 @@ class GuardConfig(GuardRules):
     spike: bool = True
     spike_z: float = 6.0
     spike_window: int = 128
-    spike_min_steps: int | None = None  # clean steps before the rule acts (None: spike_window)
+    spike_min_steps: int | None = 32  # clean steps before the rule acts (None: spike_window)
     spike_grad_norm: bool = True
+    # the divergence rule (amp/guard.py DivergenceRules), judged on the log rows' loss
+    divergence: bool = True
+    divergence_factor: float = 5.0
+    divergence_patience: int = 3
+    divergence_action: str = "stop"
+    divergence_lr_cut: float = 0.5
+    # rerun a skipped step once from the same state and batch: transient or reproducible
+    rerun: bool = False
+    # after a rollback, move the data this many batches past the batch that caused it (ampctl's
+    # loop; the positions skipped are an event, so a resume and a rerun of the run repeat them)
+    skip_batches: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +124,43 @@ class GuardConfig(GuardRules):
             self.spike_grad_norm,
             "true or false",
         )
+        for f in ("divergence", "rerun"):
+            need(isinstance(getattr(self, f), bool), self, f, getattr(self, f), "true or false")
+        need(
+            is_finite(self.divergence_factor) and self.divergence_factor > 1,
+            self,
+            "divergence_factor",
+            self.divergence_factor,
+            "a number > 1 (times the lowest log-row loss)",
+        )
+        need(
+            is_int(self.divergence_patience) and self.divergence_patience >= 1,
+            self,
+            "divergence_patience",
+            self.divergence_patience,
+            "an integer >= 1 (log rows in a row)",
+        )
+        need(
+            self.divergence_action in DIVERGENCE_ACTIONS,
+            self,
+            "divergence_action",
+            self.divergence_action,
+            f"one of {', '.join(DIVERGENCE_ACTIONS)}",
+        )
+        need(
+            is_finite(self.divergence_lr_cut) and 0 < self.divergence_lr_cut < 1,
+            self,
+            "divergence_lr_cut",
+            self.divergence_lr_cut,
+            "in (0, 1) (the lr multiplier of a rollback for divergence)",
+        )
+        need(
+            is_int(self.skip_batches) and self.skip_batches >= 0,
+            self,
+            "skip_batches",
+            self.skip_batches,
+            "an integer >= 0 (0: no data skipped after a rollback)",
+        )
         need(
             is_int(self.snapshot_every) and self.snapshot_every >= 0,
             self,
@@ -123,6 +174,15 @@ class GuardConfig(GuardRules):
         return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
 
     @property
+    def divergence_rules(self) -> DivergenceRules:
+        return DivergenceRules(
+            factor=self.divergence_factor,
+            patience=self.divergence_patience,
+            action=self.divergence_action,
+            lr_cut=self.divergence_lr_cut,
+        )
+
+    @property
     def fp8_rules(self) -> DemoteRules:
         return DemoteRules(
             sat_threshold=self.fp8_sat_threshold,
@@ -133,19 +193,45 @@ class GuardConfig(GuardRules):
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    """``logging.*``: extra sinks, the end-of-run plot, and the log-step activation-gradient
-    underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only)."""
+    """``logging.*``: extra sinks (TensorBoard, MLflow, W&B), the end-of-run plot, and the
+    log-step activation-gradient underflow probe (:mod:`ampctl.amp.actgrad`; fp16 tensors only).
+    ``mlflow_uri`` None: a SQLite store in the run folder; ``wandb_mode`` offline: nothing
+    leaves the machine (:mod:`ampctl.ui.mlflow_sink`, :mod:`ampctl.ui.wandb_sink`)."""
 
     tensorboard: bool = False
+    mlflow: bool = False
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "ampctl"
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    wandb_project: str = "ampctl"
     plot: bool = True
     act_grads: bool = True
     # leaf modules the probe hooks per log step, in turn (0: all of them, every log step)
     act_grad_layers: int = 8
 
     def __post_init__(self) -> None:
-        for k in ("tensorboard", "plot", "act_grads"):
+        for k in ("tensorboard", "mlflow", "wandb", "plot", "act_grads"):
             v = getattr(self, k)
             need(isinstance(v, bool), self, k, v, "true or false")
+        u = self.mlflow_uri
+        need(
+            u is None or (isinstance(u, str) and u.strip() != ""),
+            self,
+            "mlflow_uri",
+            u,
+            "null (a store in the run folder) or a tracking URI",
+        )
+        for k in ("mlflow_experiment", "wandb_project"):
+            v = getattr(self, k)
+            need(isinstance(v, str) and v.strip() != "", self, k, v, "a non-empty name")
+        need(
+            self.wandb_mode in WANDB_MODES,
+            self,
+            "wandb_mode",
+            self.wandb_mode,
+            " or ".join(WANDB_MODES),
+        )
         need(
             is_int(self.act_grad_layers) and self.act_grad_layers >= 0,
             self,

@@ -45,7 +45,11 @@ def _copy_groups(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         g[1].append(s)
     with torch.no_grad():
         for d, s in groups.values():
-            torch._foreach_copy_(d, s)
+            if any(hasattr(t, "to_local") for t in d):  # DTensors (FSDP2): one copy each
+                for x, y in zip(d, s, strict=True):
+                    x.copy_(y)
+            else:
+                torch._foreach_copy_(d, s)
 
 
 def clone_state(obj: Any) -> Any:

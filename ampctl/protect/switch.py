@@ -35,7 +35,7 @@ def switch_precision(
     state are left as they are: the caller rebuilds the optimizer when the parameters it steps
     change (fp16-pure's masters). **Syncs** once (the old scaler's state)."""
     counters = old.scaler.state_dict()
-    kept = old.release(model) if model is not None else list(old.exempted)
+    kept = old.release(model) if model is not None else list(old.in_fp32)
     new = make_precision(
         name,
         fp32_modules=old.fp32_modules,
@@ -46,8 +46,8 @@ def switch_precision(
     if model is not None:
         new.prepare(model)
         for n in kept:
-            if n not in new.exempted:
-                new.exempt(model, n)
+            if n not in new.in_fp32:
+                new.to_fp32(model, n)
     if counters:
         if new.scaler.is_enabled() and scale is not None and math.isfinite(scale):
             counters["scale"] = scale

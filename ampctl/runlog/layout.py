@@ -115,11 +115,12 @@ def checkpoint_step(path: str | Path) -> int | None:
 
 
 def is_run_dir(path: str | Path) -> bool:
-    """Whether a folder looks like a run folder (metrics, events, summary or checkpoints)."""
+    """Whether a folder looks like a run folder (metrics, events, summary or checkpoints). An
+    empty events.jsonl (every run starts one) is not yet a run: nothing was recorded."""
     lay = RunLayout(Path(path))
     return Path(path).is_dir() and (
         lay.metrics.is_file()
-        or lay.events.is_file()
+        or (lay.events.is_file() and lay.events.stat().st_size > 0)
         or lay.summary.is_file()
         or bool(lay.checkpoints())
     )

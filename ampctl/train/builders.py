@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ampctl.errors import BuildError
-from ampctl.train.data import DataError, MLMSource, SyntheticMLM, TextMLM
+from ampctl.train.data import DataError, SyntheticSource, TextSource, TokenSource
 from ampctl.train.settings import DATA_KINDS, DataConfig, OptimConfig
 
 __all__ = [
@@ -89,11 +89,11 @@ def data_objective(data: DataConfig, model: Mapping[str, Any]) -> str:
     return "causal" if name.endswith(("ForCausalLM", "LMHeadModel")) else "mlm"
 
 
-def source_class(kind: Any) -> type[MLMSource] | None:
+def source_class(kind: Any) -> type[TokenSource] | None:
     if kind == "synthetic":
-        return SyntheticMLM
+        return SyntheticSource
     if kind == "text":
-        return TextMLM
+        return TextSource
     if kind == "hf":  # its module imports datasets/tokenizers only when a source is built
         from ampctl.train.hf_data import HFSource
 
@@ -101,9 +101,9 @@ def source_class(kind: Any) -> type[MLMSource] | None:
     return None
 
 
-def build_data(kind: str, **kwargs: Any) -> MLMSource:
-    """Build a data source: ``kind`` is ``"synthetic"`` (:class:`SyntheticMLM`),
-    ``"text"`` (:class:`TextMLM`) or ``"hf"`` (:class:`ampctl.train.hf_data.HFSource`);
+def build_data(kind: str, **kwargs: Any) -> TokenSource:
+    """Build a data source: ``kind`` is ``"synthetic"`` (:class:`SyntheticSource`),
+    ``"text"`` (:class:`TextSource`) or ``"hf"`` (:class:`ampctl.train.hf_data.HFSource`);
     ``kwargs`` go to its constructor.
 
     Raises:
@@ -138,7 +138,7 @@ def build_data_source(
     seed: int,
     rank: int = 0,
     world_size: int = 1,
-) -> MLMSource:
+) -> TokenSource:
     """The data source of the ``data`` group, for the model group ``model`` (its objective and
     vocabulary) and the run's ``seed``; ``rank`` / ``world_size`` pick this process's share."""
     kw: dict[str, Any] = dict(

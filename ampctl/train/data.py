@@ -21,7 +21,7 @@ Every batch is a dict of CPU tensors, for one of two objectives (``objective=``)
 Special ids are ``PAD=0, CLS=1, SEP=2, MASK=3``; ordinary tokens start at 4.
 
 Determinism: the batch with global index ``g`` is a pure function of
-``(seed, g)`` (plus the corpus for :class:`TextMLM`). Each batch draws from its
+``(seed, g)`` (plus the corpus for :class:`TextSource`). Each batch draws from its
 own ``torch.Generator`` seeded from ``(seed, g)``; no global RNG state is read or
 written. Rank ``r`` of ``world_size`` ``W`` yields global indices
 ``r, W + r, 2W + r, ...``, so its local batch ``i`` is global batch ``i * W + r``
@@ -50,9 +50,9 @@ __all__ = [
     "OBJECTIVES",
     "Batch",
     "DataError",
-    "MLMSource",
-    "SyntheticMLM",
-    "TextMLM",
+    "TokenSource",
+    "SyntheticSource",
+    "TextSource",
     "PackedSource",
     "encode",
     "decode",
@@ -92,7 +92,7 @@ _TOPIC_ZIPF_EXPONENT = 1.5
 # Probability resolution of the synthetic chain: each token's successor
 # distribution is stored as this many equally likely slots.
 _CHAIN_SLOTS = 64
-#: Largest ``SyntheticMLM(branching=...)``; every successor needs at least one slot.
+#: Largest ``SyntheticSource(branching=...)``; every successor needs at least one slot.
 MAX_BRANCHING = 32
 
 
@@ -223,12 +223,12 @@ def apply_mlm_masking(
 # ------------------------------------------------------------------------- base
 
 
-class MLMSource(ABC):
+class TokenSource(ABC):
     """Infinite, resumable, rank-sharded stream of language-model batches.
 
     Subclasses provide :meth:`_tokens`, the unmasked token ids of a global batch;
     this base class applies the objective (masking for ``"mlm"``, none for
-    ``"causal"``) and keeps the position. (The name predates the causal objective.)
+    ``"causal"``) and keeps the position.
     """
 
     vocab_size: int
@@ -322,7 +322,7 @@ class MLMSource(ABC):
 # -------------------------------------------------------------------- synthetic
 
 
-class SyntheticMLM(MLMSource):
+class SyntheticSource(TokenSource):
     """Sequences from a fixed random sparse Markov chain over the ordinary tokens.
 
     The chain, drawn from ``seed``:
@@ -467,8 +467,8 @@ def decode(ids: Sequence[int]) -> str:
     data = bytearray()
     for i in ids:
         i = int(i)
-        if not 0 <= i < TextMLM.VOCAB_SIZE:
-            raise ValueError(f"token id {i} is outside [0, {TextMLM.VOCAB_SIZE})")
+        if not 0 <= i < TextSource.VOCAB_SIZE:
+            raise ValueError(f"token id {i} is outside [0, {TextSource.VOCAB_SIZE})")
         if i >= FIRST_ORDINARY_ID:
             data.append(i - FIRST_ORDINARY_ID)
     return data.decode("utf-8", errors="replace")
@@ -510,7 +510,7 @@ def _read_corpus(path: Path) -> Tensor:
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int16)
 
 
-class PackedSource(MLMSource):
+class PackedSource(TokenSource):
     """Windows of a token stream, each visited once per epoch in a seeded order.
 
     The stream (a 1-D integer tensor) is cut into consecutive windows of ``width``
@@ -574,8 +574,8 @@ class PackedSource(MLMSource):
         return tokens
 
 
-class TextMLM(PackedSource):
-    """Masked-LM (or causal-LM) batches from UTF-8 text with a byte-level tokenizer.
+class TextSource(PackedSource):
+    """Masked-LM or causal-LM batches from UTF-8 text with a byte-level tokenizer.
 
     ``path`` is a text file, or a directory whose ``*.txt`` files (searched
     recursively, sorted by path) are concatenated with a SEP between files. The
@@ -629,3 +629,9 @@ class TextMLM(PackedSource):
                 f"data.path '{self.path}' holds {self.num_tokens} tokens, too few for one "
                 f"sequence of seq_len {seq_len}: give at least {self.width} bytes of text"
             )
+
+
+# the names of ampctl 0.2 and before (the sources serve causal models too, not only MLM)
+MLMSource = TokenSource
+SyntheticMLM = SyntheticSource
+TextMLM = TextSource

@@ -37,13 +37,15 @@ from torch import nn
 
 from ampctl.amp import make_precision
 from ampctl.amp.actgrad import ActGradProbe
+from ampctl.amp.precision import saved_in_fp32
 from ampctl.amp.stats import grad_stats
 from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures, sampling
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import extract_loss
-from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
 from ampctl.protect.records import metrics_row, run_summary, write_config
 from ampctl.runlog import RunLayout, branch_event, prepare_resume
+from ampctl.runlog.layout import checkpoint_step
 from ampctl.train.builders import (
     BuildError,
     accepts_batch_keys,
@@ -145,7 +147,7 @@ class Trainer:
             self.run_dir,
             is_main=self.ctx.is_main,
             display=display,
-            tensorboard=cfg.logging.tensorboard,
+            logging=cfg.logging,
         )
         self.protection = Protection(
             self.model,
@@ -157,7 +159,10 @@ class Trainer:
             forward=self._forward_loss,
             rebuild_optimizer=lambda params: build_optimizer(cfg.optim, params, self.device),
             dist=self.ctx,
+            rerun_clip=cfg.optim.clip_grad_norm,
         )
+        self.lr_scale = 1.0  # the lr multiplier rollbacks for divergence have cut
+        self.diverged_since: int | None = None
         # figures sampled on log steps (see metrics.Probe)
         layers = cfg.logging.act_grad_layers or None
         self.probes: list[Probe] = [ActGradProbe(layers)] if cfg.logging.act_grads else []
@@ -231,13 +236,13 @@ class Trainer:
 
     def _precision(self, resume: dict[str, Any] | None):
         cfg = self.cfg
-        name, exempted = cfg.precision.name, []
+        name, in_fp32 = cfg.precision.name, []
         if resume is not None:
             # the run keeps the precision it had reached (a fallback sticks) unless the user
             # asks for another one on the command line of the resume
             asked = cfg.precision.name != resume["config"]["precision"]["name"]
             name = cfg.precision.name if asked else resume["precision"]["name"]
-            exempted = list(resume["precision"]["exempted"])
+            in_fp32 = saved_in_fp32(resume["precision"])
         precision = make_precision(
             name,
             fp32_modules=cfg.precision.fp32_modules,
@@ -248,8 +253,8 @@ class Trainer:
         precision.prepare(self.model)
         if resume is not None:
             precision.restore(self.model, resume["precision"])  # e.g. fp8 layer demotions
-        for n in exempted:
-            precision.exempt(self.model, n)
+        for n in in_fp32:
+            precision.to_fp32(self.model, n)
         precision.scaler.init_state(self.device)
         if self.ctx.enabled:
             precision.scaler.reduce_flags = self.ctx.reduce_max
@@ -297,11 +302,17 @@ class Trainer:
         return self._wall_before + time.perf_counter() - self._wall0
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> TrainResult:
-        """Train to ``trainer.max_steps``. Writes metrics, events, checkpoints and summary."""
+    def run(self, *, close_log: bool = True) -> TrainResult:
+        """Train to ``trainer.max_steps``. Writes metrics, events, checkpoints and summary.
+        ``close_log=False`` leaves the sinks open after the summary (the caller sends the plot
+        and closes ``self.log``)."""
         status, code = "ok", 0
-        if self.log.tb_hint:
-            self.log.event({"step": self.step, "kind": "warning", "message": self.log.tb_hint})
+        t = time.perf_counter()
+        self.log.open(self.step, self.cfg.to_dict())
+        # starting a sink (an MLflow store, W&B's process) is not training time
+        opened = time.perf_counter() - t
+        self._wall0 += opened
+        self.window.t0 += opened
         with _Signals(self):
             try:
                 self.protection.start(self.step)
@@ -313,19 +324,24 @@ class Trainer:
                     ):
                         status, code = self._interrupt(ckpt)
                         break
-            except TrainAborted:
-                status, code = "aborted", 1
+            except TrainAborted as e:
+                status, code = e.status, 1  # aborted | diverged
+                if isinstance(e, TrainDiverged):
+                    self.diverged_since = e.since
                 self._save_after_abort()
             except CheckpointWriteError as e:
                 self.failure = str(e)
                 self.log.event({"step": self.step, "kind": "error", "message": str(e)})
                 status, code = "failed", 1
-            finally:
-                self.log.close()
+            except BaseException as e:
+                self.log.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+                raise
         summary = self._summary(status)
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
+        if close_log:
+            self.log.close(status)
         return TrainResult(summary=summary, run_dir=self.run_dir, status=status, exit_code=code)
 
     @property
@@ -348,6 +364,8 @@ class Trainer:
         log = self._is_due(self.cfg.trainer.log_every)
         out = self.train_step(log)
         rewind = self.protection.after_step(self.step, skipped=out.skipped, batches=out.batches)
+        if self.protection.retried:  # rerun clean (a transient fault): the update was applied
+            self.applied += 1
         if rewind is not None:
             self.apply_rewind(rewind)
             return None
@@ -361,6 +379,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         precision.zero_grad()
         batches = []
+        self.protection.mark_step_start()  # the RNG state a rerun starts from (guard.rerun)
         probes = self.active_probes() if log else []
         # hooks need the eager module: a compiled graph does not run hooks added after tracing
         fwd = self.compiled if self.compiled is not None and not probes else self.fwd_model
@@ -412,11 +431,12 @@ class Trainer:
             schedule=o.schedule,
             min_lr_ratio=o.min_lr_ratio,
         )
+        lr = o.lr * self.lr_scale * factor  # lr_scale: cut by rollbacks for divergence
         for g in self.optimizer.param_groups:
             if isinstance(g["lr"], torch.Tensor):
-                g["lr"].copy_(o.lr * factor)
+                g["lr"].copy_(lr)
             else:
-                g["lr"] = float(o.lr * factor)
+                g["lr"] = float(lr)
 
     # ------------------------------------------------------------------ logging
     def log_step(self, out: StepOutput) -> dict[str, Any] | None:
@@ -429,7 +449,7 @@ class Trainer:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         self._stop_agreed = vals["stop"] > 0
         window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        rewind = self.protection.on_log_read(vals)
+        rewind = self.protection.on_log_read(self.step, vals)
         if rewind is not None:  # a late rollback discarded the interval's steps
             self.apply_rewind(rewind)
             return None
@@ -489,7 +509,30 @@ class Trainer:
             self.applied = a.clone() if isinstance(a, torch.Tensor) else a
             self.data.load_state_dict(pos["data"])
             set_rng_state(pos["rng"])
+        self.lr_scale *= rewind.lr_factor
+        if rewind.skip_batches and pos is not None:
+            self._skip_batches(rewind, pos["data"]["position"])
         self.window = LogWindow(first_update=self.scaler.num_updates)
+
+    def _skip_batches(self, rewind: Rewind, restored: int) -> None:
+        """``guard.skip_batches``: go on past the batches of the step that caused the rollback,
+        and that many more (PaLM's skip around a spike). The positions are an event; the data
+        position is in every checkpoint, so a resume continues from the same place."""
+        accum = self.cfg.trainer.grad_accum_steps
+        bad_end = restored + (rewind.from_step - rewind.to_step) * accum
+        to = bad_end + rewind.skip_batches
+        self.data.load_state_dict({"position": to})
+        self.log.event(
+            {
+                "step": self.step,
+                "kind": "data_skip",
+                "message": f"data skipped from batch {restored} to {to}: the batches of step "
+                f"{rewind.from_step} and {rewind.skip_batches} after them",
+                "from_position": restored,
+                "to_position": to,
+                "batches": to - restored,
+            }
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
@@ -511,7 +554,11 @@ class Trainer:
             "precision": self.precision.state_dict(),
             "master": self.precision.master_state(),
             "protection": self.protection.state_dict(),
-            "trainer": {"tokens": self._tokens_total, "wall_s": self._wall()},
+            "trainer": {
+                "tokens": self._tokens_total,
+                "wall_s": self._wall(),
+                "lr_scale": self.lr_scale,
+            },
             "log_window": per_rank[0]["log_window"],
             "dist": {
                 "strategy": self.ctx.strategy if self.ctx.enabled else "none",
@@ -578,6 +625,7 @@ class Trainer:
         tr = ck.get("trainer", {})
         self._tokens_total = int(tr.get("tokens", 0))
         self._wall_before = float(tr.get("wall_s", 0.0))
+        self.lr_scale = float(tr.get("lr_scale", 1.0))
         lw = (mine["log_window"] if mine else ck.get("log_window")) or {}
         self.window = LogWindow.from_state(lw, self.device)
         if self.ctx.is_main and ck.get("path"):
@@ -615,8 +663,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the end
     def _summary(self, status: str) -> dict[str, Any]:
-        """summary.json (:func:`~ampctl.protect.records.run_summary`). **Syncs** once."""
-        return run_summary(
+        """summary.json (:func:`~ampctl.protect.records.run_summary`); a diverged run also names
+        the step its loss left its course and the last checkpoint written before it. **Syncs**
+        once."""
+        summary = run_summary(
             status,
             framework="ampctl",
             model=self.model,
@@ -629,6 +679,15 @@ class Trainer:
             tokens=self._tokens_total,
             run_dir=self.run_dir,
         )
+        if self.diverged_since is not None:
+            good = [
+                p
+                for p in RunLayout(self.run_dir).checkpoints()
+                if (checkpoint_step(p) or 0) <= self.diverged_since
+            ]
+            summary["diverged_since"] = self.diverged_since
+            summary["last_good_checkpoint"] = str(good[-1]) if good else None
+        return summary
 
 
 class _Signals:

@@ -74,6 +74,12 @@ EVENT_STYLES: dict[str, str] = {  # every kind the trainer and the protection em
     "warning": "yellow",
     "interrupt": "bold",
     "branch": "blue",
+    "spike": "yellow",
+    "divergence": "bold red",
+    "rerun": "cyan",
+    "data_skip": "yellow",
+    "promotion_undone": "magenta",
+    "resume": "blue",
 }
 
 _MISSING = "-"
@@ -244,6 +250,7 @@ _SUMMARY_FORMATTERS: dict[str, Callable[[Any], str]] = {
     "best_loss": fmt_loss,
     "steps": fmt_int,
     "skipped": fmt_int,
+    "spikes": fmt_int,
     "overflow_rate": fmt_pct,
     "grad_underflow_frac": fmt_pct,
     "act_grad_underflow_frac": fmt_pct,
@@ -520,6 +527,7 @@ class Display:
             f" loss={fmt_loss(g('loss'))}"
             f" scale={fmt_scale(g('scale'), pow2=False)}"
             f" skipped={fmt_int(g('skipped'))}"
+            f" spikes={fmt_int(g('spikes'))}"
             f" overflow={fmt_pct(g('overflow_rate'))}"
             f" gnorm={fmt_float(g('grad_norm'), 3)}"
             f" amax={fmt_float(g('grad_amax'), 3)}"
@@ -648,6 +656,7 @@ class Display:
                 "yellow" if act_under is not None and act_under > 0.01 else "",
             ),
             ("nonfinite", fmt_int(g("nonfinite_grads")), warn_pos("nonfinite_grads", "bold red")),
+            ("spikes", fmt_int(g("spikes")), warn_pos("spikes")),
             # right half: gradients and run facts
             ("grad norm", fmt_float(g("grad_norm")), bad("grad_norm")),
             ("max|g|", fmt_float(g("grad_amax")), bad("grad_amax")),
@@ -662,7 +671,7 @@ class Display:
         ]
         if "fp8_layers" in self.metrics:  # an fp8 run: the worst fp8 layer's casts
             sat, under = _as_float(g("fp8_sat")), _as_float(g("fp8_under"))
-            cells[7:7] = [
+            cells[8:8] = [
                 ("fp8 layers", fmt_int(g("fp8_layers")), ""),
                 (
                     "fp8 nonfinite",

@@ -1,9 +1,10 @@
-"""Optional metric sinks beside metrics.jsonl: TensorBoard.
+"""The TensorBoard sink (``logging.tensorboard=true``; one :class:`~ampctl.ui.sinks.Sink`).
 
 ``TensorBoardSink(run_dir)`` writes into ``run_dir/tensorboard/`` the same numbers as
 metrics.jsonl (each numeric key as the scalar ``ampctl/<key>`` at ``step = row["step"]``) and
 every event as text (tag ``events``) plus a scalar per event kind (``ampctl/events/<kind>``, the
-running count of that kind, so each event shows as a step up in its curve).
+running count of that kind, so each event shows as a step up in its curve), and the summary as
+text (tag ``summary``).
 
 The sink receives the plain host-side rows the loop already wrote to metrics.jsonl: it reads
 nothing from the device. ``tensorboard`` is imported lazily; :func:`make_tensorboard_sink`
@@ -46,6 +47,8 @@ class TensorBoardSink:
     for the hint instead). No device reads: rows are plain Python numbers.
     """
 
+    name = "tensorboard"
+
     def __init__(self, run_dir: str | Path, *, flush_secs: int = 30) -> None:
         SummaryWriter = _require_tensorboard()
         self.log_dir = Path(run_dir) / "tensorboard"
@@ -64,19 +67,35 @@ class TensorBoardSink:
                 continue
             self._writer.add_scalar(f"ampctl/{key}", float(value), step)
 
-    def log_event(self, ev: dict[str, Any]) -> None:
+    def log_event(self, ev: dict[str, Any], count: int | None = None) -> None:
         """One events.jsonl object: a text entry under ``events`` ("**kind** step N: message")
-        and the running count of its kind as ``ampctl/events/<kind>``."""
+        and the running count of its kind as ``ampctl/events/<kind>`` (``count``: that count as
+        the caller keeps it; None: counted here, from the run folder's events)."""
         kind = str(ev.get("kind", "event"))
         step = int(ev.get("step", 0))
-        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._counts[kind] = self._counts.get(kind, 0) + 1 if count is None else int(count)
         self._writer.add_text("events", f"**{kind}** step {step}: {ev.get('message', '')}", step)
         self._writer.add_scalar(f"ampctl/events/{kind}", float(self._counts[kind]), step)
+
+    # the Sink interface (ampctl.ui.sinks)
+    def metrics(self, row: dict[str, Any]) -> None:
+        self.log_metrics(row)
+
+    def event(self, ev: dict[str, Any], count: int) -> None:
+        self.log_event(ev, count)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        """The summary as a text entry (tag ``summary``) at its last step."""
+        text = "\n".join(f"- **{k}**: {v}" for k, v in summary.items())
+        self._writer.add_text("summary", text, int(summary.get("steps") or 0))
+
+    def artifact(self, path: Path) -> None:
+        """Nothing: the plot is in the run folder beside ``tensorboard/`` already."""
 
     def flush(self) -> None:
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = "ok") -> None:
         """Flush and close the event file (idempotent)."""
         if not self._closed:
             self._writer.close()

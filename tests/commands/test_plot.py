@@ -85,7 +85,7 @@ def test_run_figure_panels_skips_and_events(run):
         "loss scale (log2)",
         "overflow rate",
         "grad norm",
-        "underflow fraction",
+        "underflow fraction (log)",  # a real fp16 run: ~0.05% of param grads next to ~45% of act
     ]
     assert ax_scale.get_yscale() == "log" and ax_scale.yaxis.get_transform().base == 2
     assert ax_gn.get_xlabel() == "step"
@@ -176,9 +176,33 @@ def test_activation_gradient_underflow_is_drawn_next_to_the_parameter_figure(tmp
     )
     ax_uf = build_run_figure(d).axes[-1]
     labels = {ln.get_label(): list(ln.get_ydata()) for ln in ax_uf.lines}
-    assert labels["param-grad underflow"] == [0.001, 0.002]
-    assert labels["activation-grad underflow (fp16)"] == [0.9, 0.5]
+    # the legend says what each fraction counts
+    assert labels["param-grad underflow (share of elements 0 or < 2^-24 once scaled)"] == [
+        0.001,
+        0.002,
+    ]
+    assert labels["activation-grad underflow (share of fp16 elements 0 or subnormal)"] == [
+        0.9,
+        0.5,
+    ]
     assert ax_uf.get_ylim()[1] >= 0.9  # the axis holds the larger figure
+
+    def height(y):  # where y sits on the axis, 0 (bottom) to 1 (top)
+        return ax_uf.transAxes.inverted().transform(ax_uf.transData.transform((0, y)))[1]
+
+    # 0.1% next to 90%: a log axis, so the small figure is readable, not flat on 0%
+    assert ax_uf.get_yscale() == "log" and ax_uf.get_ylabel() == "underflow fraction (log)"
+    assert height(0.001) > 0.05 and height(0.002) - height(0.001) > 0.05
+    # figures of one order: a linear axis from 0, as a fraction reads best
+    d2 = write_run(
+        tmp_path / "r2",
+        [
+            row(4, 5.0, grad_underflow_frac=0.3, act_grad_underflow_frac=0.9),
+            row(8, 4.0, grad_underflow_frac=0.2, act_grad_underflow_frac=0.5),
+        ],
+    )
+    ax_uf = build_run_figure(d2).axes[-1]
+    assert ax_uf.get_yscale() == "linear" and ax_uf.get_ylim()[0] == 0.0
 
 
 def write_run(path, rows, events=(), tail=""):
@@ -272,11 +296,13 @@ def test_sweep_heat_map_grid_and_trajectories(tmp_path):
     sweep = fake_sweep(tmp_path)
     fig = build_sweep_figure(sweep)
     ax_hm, ax_sc, ax_ls, cbar = fig.axes
-    assert cbar.get_ylabel() == "loss_gap (lower is better)"
+    assert cbar.get_ylabel() == "loss_gap in whole 0.1% steps, below 0 as 0 (lower is better)"
     grid = ax_hm.images[0].get_array()
     assert grid.shape == (2, 2)  # growth_interval {100, 500} x init_scale {2^10, 2^16}
     assert grid.mask.tolist() == [[False, True], [False, False]]  # the diverged cell has no value
-    assert grid.data[0, 0] == 0.1002 and grid.data[1, 0] == 0.1001 and grid.data[1, 1] == 0.5
+    # coloured as the sweep ranks them: +10.02% and +10.01% are one 0.1% step, one colour
+    assert grid.data[0, 0] == grid.data[1, 0] == pytest.approx(0.1) and grid.data[1, 1] == 0.5
+    assert "all tie" not in ax_hm.get_title()
     assert [t.get_text() for t in ax_hm.get_xticklabels()] == ["2^10", "2^16"]
     assert [t.get_text() for t in ax_hm.get_yticklabels()] == ["100", "500"]
     texts = {t.get_text() for t in ax_hm.texts}
@@ -306,6 +332,45 @@ def test_sweep_heat_map_grid_and_trajectories(tmp_path):
         build_sweep_figure(sweep, metric="tokens")
     out = plot_sweep(sweep)
     assert out == sweep / "plot.png" and out.read_bytes()[:8] == PNG
+
+
+@needs_mpl
+def test_a_sweep_where_every_cell_ties_is_one_colour_and_says_so(tmp_path):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    cols = ("trial", "kind", "status", "init_scale", "growth_interval", "loss_gap", "rank")
+    trials = [
+        dict(zip(cols, r, strict=True))
+        for r in [  # the sweep: every gap under one 0.1% step, one cell 1e-5 apart
+            ("init_scale=1", "trial", "ok", 1, 100, 5.1e-5, 3),
+            ("init_scale=256", "trial", "ok", 256, 100, 0.0, 2),
+            ("init_scale=65536", "trial", "ok", 65536, 100, -1e-6, 1),
+        ]
+    ]
+    tie = {"tied": ["init_scale=65536", "init_scale=256"], "rule": "s_star", "target": 65536.0}
+    doc = {"trials": trials, "recommendation": {"trial": "init_scale=65536", "tie": tie}}
+    (sweep / "results.json").write_text(json.dumps(doc))
+    fig = build_sweep_figure(sweep)
+    ax_hm = fig.axes[0]
+    assert len(fig.axes) == 3  # no colour bar pretending that the cells differ
+    img = ax_hm.images[0]
+    colours = img.to_rgba(img.get_array())[0]
+    assert (colours == colours[0]).all()
+    assert ax_hm.get_title() == (
+        "loss_gap by init_scale x growth_interval: all tie\n"
+        "red box: the recommendation (tie broken by the S* estimate)"
+    )
+    (best,) = [p for p in ax_hm.patches if p.get_gid() == "best"]
+    assert best.get_xy() == (1.5, -0.5)  # rank 1: 2^16
+    assert [t.get_text() for t in ax_hm.texts] == ["+0.0%", "+0.0%", "-0.0%"]
+    # one whole step apart: two colours and a colour bar again
+    trials[0]["loss_gap"] = 0.0011
+    (sweep / "results.json").write_text(json.dumps(doc))
+    fig = build_sweep_figure(sweep)
+    img = fig.axes[0].images[0]
+    assert len(fig.axes) == 4 and "all tie" not in fig.axes[0].get_title()
+    colours = img.to_rgba(img.get_array())[0]
+    assert (colours[0] != colours[1]).any() and (colours[1] == colours[2]).all()
     with pytest.raises(UsageError, match="--baseline applies to a run folder"):
         run_plot(sweep, None, baseline=sweep / "s1024-g100")
 

@@ -42,6 +42,7 @@ def test_run_folder_has_everything(fast_cfg):
     d = res.run_dir
     assert res.status == "ok" and res.exit_code == 0
     assert (d / "config.yaml").is_file() and (d / "summary.json").is_file()
+    assert (d / "events.jsonl").read_text() == ""  # always there (README), empty: no events
     rows = read_jsonl(d / "metrics.jsonl")
     assert [r["step"] for r in rows] == [4, 8, 12]
     assert METRIC_KEYS <= set(rows[0])

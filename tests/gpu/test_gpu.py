@@ -168,5 +168,5 @@ def test_bert_large_fp16_trains_end_to_end(tmp_path):
     s = res.summary
     assert s["steps"] == 4 and s["precision"] == "fp16" and s["fp32_modules"] == ["bert.embeddings"]
     ck = load_checkpoint(res.run_dir)
-    assert ck["step"] == 4 and ck["precision"]["exempted"] == ["bert.embeddings"]
+    assert ck["step"] == 4 and ck["precision"]["in_fp32"] == ["bert.embeddings"]
     assert ck["model"]["bert.encoder.layer.23.output.dense.weight"].dtype == torch.float32

@@ -147,7 +147,7 @@ def test_planted_overflow_is_skipped_backs_off_and_is_recorded(fits):
 def test_ckpt_path_resume_continues_the_scaler_the_guard_and_the_run_folder(fits):
     ck = torch.load(fits["step4"], weights_only=True)
     assert ck["AmpctlPrecision"]["scale"] == 512.0
-    assert ck["AmpctlPrecision"]["ampctl"] == {"precision": "fp16", "exempted": []}
+    assert ck["AmpctlPrecision"]["ampctl"] == {"precision": "fp16", "in_fp32": []}
     assert ck["callbacks"]["AmpctlCallback"]["step"] == 4
     b_cb, tmp = fits["b_cb"], fits["tmp"]
     assert b_cb.run.scaler.skipped_steps == 2 and b_cb.run.scaler.get_scale() == 256.0

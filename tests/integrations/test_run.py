@@ -298,7 +298,7 @@ def test_forward_overflow_moves_the_module_to_fp32(tmp_path):
             run.after_step(loss, batch)
     kinds = [(e["kind"], e["step"], e.get("module")) for e in run.events]
     assert ("promotion", 3, "boost") in kinds
-    assert scaler.forward_overflows == 1 and run.precision.exempted == ["boost"]
+    assert scaler.forward_overflows == 1 and run.precision.in_fp32 == ["boost"]
     with torch.autocast("cpu", dtype=torch.float16):
         assert model.boost(data[2]["x"]).dtype == torch.float32  # now runs in fp32
         assert torch.isfinite(model(**data[2])["loss"])

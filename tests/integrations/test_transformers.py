@@ -62,7 +62,7 @@ class Watch(TrainerCallback):
         self.weights[state.global_step] = (self._before, copy.deepcopy(model.state_dict()))
 
 
-def _trainer(out, max_steps, plant, protect=True, **kw):
+def _trainer(out, max_steps, plant, protect=True, lr=1e-3, **kw):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def _trainer(out, max_steps, plant, protect=True, **kw):
         output_dir=str(out),
         max_steps=max_steps,
         per_device_train_batch_size=4,
-        learning_rate=1e-3,
+        learning_rate=lr,
         lr_scheduler_type="linear",
         logging_steps=2,
         save_steps=4,
@@ -199,3 +199,37 @@ def test_a_plain_trainer_resumes_a_checkpoint_written_under_protect_trainer(runs
     plain, _, watch, _ = _trainer(tmp / "out-plain", 6, set(), protect=False)
     plain.train(resume_from_checkpoint=str(tmp / "out" / "checkpoint-4"))
     assert plain.state.global_step == 6 and sorted(watch.weights) == [5, 6]
+
+
+@pytest.mark.parametrize("lr, status", [(1.0, "diverged"), (1e-3, "ok")])
+def test_a_diverging_hf_run_is_called_diverged_and_its_healthy_twin_ok(tmp_path, lr, status):
+    """The finding of issue #27 on the real HF Trainer: at lr 1.0 the first update wrecks the
+    model (the loss 3.9 before it, 16-46 after), so no healthy row exists to compare with; the
+    rule compares with the loss the run started from, stops the run at its third log step with
+    status diverged (not ok, and not the fp16 range blamed at the scale floor later). At its
+    normal lr the same run ends ok, no divergence event."""
+    trainer, cb, _, _ = _trainer(
+        tmp_path / "out",
+        40,
+        set(),
+        lr=lr,
+        run_dir=tmp_path / "run",
+        scaler=LossScaler(init_scale=1024.0),
+    )
+    trainer.train()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    div = [e for e in events if e["kind"] == "divergence"]
+    assert (cb.status, summary["status"]) == (status, status)
+    if status == "ok":
+        assert div == [] and trainer.state.global_step == 40
+        assert not [e for e in events if e["kind"] in ("rollback", "abort")]
+        return
+    (d,) = div
+    assert d["step"] == 6 and d["action"] == "stop" and trainer.state.global_step == 6
+    assert (
+        d["message"].startswith("the loss diverged: ")
+        and "the loss the run started from" in d["message"]
+    )
+    assert 3.5 < d["min_loss"] < 4.5 and d["ratio"] > 5  # ln(64) = 4.16: the untrained model
+    assert not [e for e in events if e["kind"] == "abort"]

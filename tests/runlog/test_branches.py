@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
+from typer.testing import CliRunner
+
+from ampctl.cli import app
 from ampctl.runlog import (
     RunLayout,
     fork_into,
@@ -94,14 +97,16 @@ def test_fork_into_a_new_folder_leaves_the_parent_untouched(tmp_path):
     assert [r["step"] for r in read_jsonl(new.metrics)] == list(range(1, 21))
 
 
-def _ampctl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ampctl", "train", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _ampctl(cwd: Path, *args: str) -> SimpleNamespace:
+    """``ampctl train ARGS`` run from ``cwd``, in this process (the CLI's own code path; a
+    process start per call would only add torch's import time)."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        r = CliRunner().invoke(app, ["train", *args])
+    finally:
+        os.chdir(here)
+    return SimpleNamespace(returncode=r.exit_code, stderr=r.stderr)
 
 
 def test_resume_branches_end_to_end(tmp_path):

@@ -20,9 +20,9 @@ from ampctl.train.data import (
     PAD_ID,
     SEP_ID,
     DataError,
-    MLMSource,
-    SyntheticMLM,
-    TextMLM,
+    SyntheticSource,
+    TextSource,
+    TokenSource,
     apply_mlm_masking,
     decode,
     encode,
@@ -58,10 +58,10 @@ def corpus(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(params=["synthetic", "text"])
-def make_source(request: pytest.FixtureRequest, corpus: Path) -> Callable[..., MLMSource]:
+def make_source(request: pytest.FixtureRequest, corpus: Path) -> Callable[..., TokenSource]:
     """A factory for either kind with small shapes; keyword overrides pass through."""
 
-    def make(**kw: object) -> MLMSource:
+    def make(**kw: object) -> TokenSource:
         base: dict[str, object] = dict(seq_len=24, batch_size=4, seed=3)
         if request.param == "synthetic":
             base["vocab_size"] = 64
@@ -77,7 +77,7 @@ def make_source(request: pytest.FixtureRequest, corpus: Path) -> Callable[..., M
 
 
 def test_same_seed_same_batches_different_seed_different(
-    make_source: Callable[..., MLMSource],
+    make_source: Callable[..., TokenSource],
 ) -> None:
     a, b, c = make_source(), make_source(), make_source(seed=4)
     for _ in range(3):
@@ -86,7 +86,7 @@ def test_same_seed_same_batches_different_seed_different(
         assert not same(x, z)
 
 
-def test_batches_do_not_touch_the_global_rng(make_source: Callable[..., MLMSource]) -> None:
+def test_batches_do_not_touch_the_global_rng(make_source: Callable[..., TokenSource]) -> None:
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
     source = make_source()
@@ -98,7 +98,7 @@ def test_batches_do_not_touch_the_global_rng(make_source: Callable[..., MLMSourc
 
 
 def test_batch_at_matches_iteration_and_keeps_position(
-    make_source: Callable[..., MLMSource],
+    make_source: Callable[..., TokenSource],
 ) -> None:
     source = make_source()
     iterated = [batch for _, batch in zip(range(5), source, strict=False)]
@@ -113,7 +113,7 @@ def test_batch_at_matches_iteration_and_keeps_position(
         replay.batch_at(-1)
 
 
-def test_resume_from_state_dict_continues_exactly(make_source: Callable[..., MLMSource]) -> None:
+def test_resume_from_state_dict_continues_exactly(make_source: Callable[..., TokenSource]) -> None:
     uninterrupted = make_source()
     expected = [uninterrupted.next_batch() for _ in range(8)]
 
@@ -132,7 +132,7 @@ def test_resume_from_state_dict_continues_exactly(make_source: Callable[..., MLM
             resumed.load_state_dict(bad)
 
 
-def test_ranks_share_the_global_batch_sequence(make_source: Callable[..., MLMSource]) -> None:
+def test_ranks_share_the_global_batch_sequence(make_source: Callable[..., TokenSource]) -> None:
     single = make_source()
     global_batches = [single.next_batch() for _ in range(4)]
     rank0 = make_source(rank=0, world_size=2)
@@ -148,7 +148,7 @@ def test_ranks_share_the_global_batch_sequence(make_source: Callable[..., MLMSou
 # ----------------------------------------------------------------------- masking
 
 
-def test_batch_layout(make_source: Callable[..., MLMSource]) -> None:
+def test_batch_layout(make_source: Callable[..., TokenSource]) -> None:
     source = make_source()
     batch = source.batch_at(0)
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
@@ -161,7 +161,7 @@ def test_batch_layout(make_source: Callable[..., MLMSource]) -> None:
 
 
 def test_mask_statistics() -> None:
-    source = SyntheticMLM(vocab_size=1000, seq_len=128, batch_size=32, seed=0)
+    source = SyntheticSource(vocab_size=1000, seq_len=128, batch_size=32, seed=0)
     batches = [source.batch_at(i) for i in range(10)]
     ids = torch.cat([b["input_ids"] for b in batches])
     labels = torch.cat([b["labels"] for b in batches])
@@ -184,7 +184,7 @@ def test_mask_statistics() -> None:
 
 
 def test_short_sequences_still_get_a_prediction() -> None:
-    source = SyntheticMLM(vocab_size=64, seq_len=3, batch_size=64, seed=0, mask_prob=0.01)
+    source = SyntheticSource(vocab_size=64, seq_len=3, batch_size=64, seed=0, mask_prob=0.01)
     labels = source.batch_at(0)["labels"]
     assert ((labels != IGNORE_INDEX).sum(dim=1) == 1).all()
 
@@ -221,7 +221,7 @@ def test_masking_invariants(rows: list[list[int]], mask_prob: float, seed: int) 
 
 def test_synthetic_chain_is_sparse_and_learnable() -> None:
     """Transitions concentrate on ``branching`` successors per token."""
-    source = SyntheticMLM(vocab_size=64, seq_len=64, batch_size=64, seed=1, branching=3)
+    source = SyntheticSource(vocab_size=64, seq_len=64, batch_size=64, seed=1, branching=3)
     seqs = torch.cat([original_tokens(source.batch_at(i))[:, 1:] for i in range(10)])
     assert (seqs >= FIRST_ORDINARY_ID).all() and (seqs < 64).all()
     prev, nxt = seqs[:, :-1].reshape(-1), seqs[:, 1:].reshape(-1)
@@ -237,7 +237,7 @@ def test_synthetic_chain_is_sparse_and_learnable() -> None:
 
 
 def test_synthetic_generation_is_fast() -> None:
-    source = SyntheticMLM(vocab_size=30522, seq_len=128, batch_size=32, seed=0)
+    source = SyntheticSource(vocab_size=30522, seq_len=128, batch_size=32, seed=0)
     source.batch_at(0)
     times = []
     for i in range(5):
@@ -264,7 +264,7 @@ def test_synthetic_bad_arguments(kwargs: dict[str, object], message: str) -> Non
     base: dict[str, object] = dict(vocab_size=64, seq_len=16, batch_size=2)
     base.update(kwargs)
     with pytest.raises(DataError, match=message):
-        SyntheticMLM(**base)  # type: ignore[arg-type]
+        SyntheticSource(**base)  # type: ignore[arg-type]
 
 
 # -------------------------------------------------------------------------- text
@@ -274,10 +274,10 @@ def test_byte_tokenizer_round_trip() -> None:
     text = "héllo wörld — 東京 🙂\n"
     ids = encode(text)
     assert len(ids) == len(text.encode("utf-8"))
-    assert all(FIRST_ORDINARY_ID <= i < TextMLM.VOCAB_SIZE for i in ids)
+    assert all(FIRST_ORDINARY_ID <= i < TextSource.VOCAB_SIZE for i in ids)
     assert decode(ids) == text
-    assert TextMLM.encode(text) == ids and TextMLM.decode(ids) == text
-    assert TextMLM.VOCAB_SIZE == 260
+    assert TextSource.encode(text) == ids and TextSource.decode(ids) == text
+    assert TextSource.VOCAB_SIZE == 260
     assert decode([CLS_ID, *ids, SEP_ID, PAD_ID]) == text  # specials are dropped
     assert decode(encode("東")[:2]) == "\ufffd"  # a cut character is replaced, not an error
     with pytest.raises(ValueError, match="260"):
@@ -286,7 +286,7 @@ def test_byte_tokenizer_round_trip() -> None:
 
 def test_text_epoch_visits_every_window_once(corpus: Path) -> None:
     seq_len, batch_size = 24, 4
-    source = TextMLM(path=str(corpus), seq_len=seq_len, batch_size=batch_size, seed=5)
+    source = TextSource(path=str(corpus), seq_len=seq_len, batch_size=batch_size, seed=5)
     assert source.vocab_size == 260
     stream = torch.tensor(encode(corpus.read_text(encoding="utf-8")))
     n = stream.numel() // (seq_len - 1)
@@ -310,7 +310,7 @@ def test_text_directory_joins_sorted_txt_files_with_sep(tmp_path: Path) -> None:
     (tmp_path / "b" / "c.txt").write_text("C" * 10, encoding="utf-8")
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     (tmp_path / "notes.md").write_text("ignored", encoding="utf-8")
-    source = TextMLM(path=str(tmp_path), seq_len=22, batch_size=1, seed=0)
+    source = TextSource(path=str(tmp_path), seq_len=22, batch_size=1, seed=0)
     assert source.num_windows == 1 and source.num_tokens == 21
     batch = source.batch_at(0)
     row = original_tokens(batch)[0].tolist()
@@ -321,25 +321,25 @@ def test_text_directory_joins_sorted_txt_files_with_sep(tmp_path: Path) -> None:
 def test_text_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(DataError, match=r"data.path '.*nope' does not exist: give a UTF-8 .txt"):
-        TextMLM(path=str(missing), seq_len=16, batch_size=2)
+        TextSource(path=str(missing), seq_len=16, batch_size=2)
 
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
     (empty_dir / "readme.md").write_text("not a .txt file", encoding="utf-8")
     with pytest.raises(DataError, match=r"data.path '.*empty' is a directory with no .txt files"):
-        TextMLM(path=str(empty_dir), seq_len=16, batch_size=2)
+        TextSource(path=str(empty_dir), seq_len=16, batch_size=2)
 
     short = tmp_path / "short.txt"
     short.write_text("tiny", encoding="utf-8")
     with pytest.raises(
         DataError, match=r"data.path '.*short.txt' holds 4 tokens, too few for one sequence"
     ):
-        TextMLM(path=str(short), seq_len=16, batch_size=2)
+        TextSource(path=str(short), seq_len=16, batch_size=2)
 
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café ".encode("latin-1") * 10)
     with pytest.raises(DataError, match=r"data.path file '.*latin1.txt' is not valid UTF-8"):
-        TextMLM(path=str(latin1), seq_len=16, batch_size=2)
+        TextSource(path=str(latin1), seq_len=16, batch_size=2)
 
     assert issubclass(DataError, ValueError)
 
@@ -347,7 +347,7 @@ def test_text_errors(tmp_path: Path) -> None:
 def test_a_corpus_smaller_than_a_batch_still_cycles(tmp_path: Path) -> None:
     path = tmp_path / "one.txt"
     path.write_text("exactly fifteen", encoding="utf-8")
-    source = TextMLM(path=str(path), seq_len=16, batch_size=3)
+    source = TextSource(path=str(path), seq_len=16, batch_size=3)
     assert source.num_windows == 1
     rows = original_tokens(source.batch_at(0))
     assert torch.equal(rows[0], rows[1]) and torch.equal(rows[1], rows[2])
@@ -359,9 +359,9 @@ def test_a_corpus_smaller_than_a_batch_still_cycles(tmp_path: Path) -> None:
 
 def test_build_data(corpus: Path) -> None:
     synthetic = build_data("synthetic", vocab_size=64, seq_len=8, batch_size=2)
-    assert isinstance(synthetic, SyntheticMLM) and synthetic.vocab_size == 64
+    assert isinstance(synthetic, SyntheticSource) and synthetic.vocab_size == 64
     text = build_data("text", path=str(corpus), seq_len=8, batch_size=2)
-    assert isinstance(text, TextMLM) and text.vocab_size == 260
+    assert isinstance(text, TextSource) and text.vocab_size == 260
     with pytest.raises(DataError, match=r"data.kind 'wiki' is not one of 'synthetic', 'text'"):
         build_data("wiki", seq_len=8, batch_size=2)
     with pytest.raises(DataError, match=r"data.kind 'text' does not take branching"):
@@ -373,7 +373,7 @@ def test_build_data(corpus: Path) -> None:
 # ---------------------------------------------------------------------- causal
 
 
-def test_causal_batches_are_the_unmasked_sequences(make_source: Callable[..., MLMSource]) -> None:
+def test_causal_batches_are_the_unmasked_sequences(make_source: Callable[..., TokenSource]) -> None:
     mlm, causal = make_source(), make_source(objective="causal")
     for i in range(3):
         m, c = mlm.batch_at(i), causal.batch_at(i)
@@ -386,7 +386,7 @@ def test_causal_batches_are_the_unmasked_sequences(make_source: Callable[..., ML
     assert causal.state_dict() == {"position": state["position"] + 1}
 
 
-def test_bad_objective_is_named(make_source: Callable[..., MLMSource]) -> None:
+def test_bad_objective_is_named(make_source: Callable[..., TokenSource]) -> None:
     with pytest.raises(DataError, match=r"data.objective \('span'\) must be one of mlm, causal"):
         make_source(objective="span")
 

@@ -539,8 +539,9 @@ def test_forward_overflow_promotes_the_module_where_it_first_appears():
         "kind": "promotion",
         "message": "forward overflow first appears in amp (non-finite, float16): now runs in fp32",
         "module": "amp",
+        "dtype": "float16",
     }
-    assert loop.prot.precision.exempted == ["amp"]
+    assert loop.prot.precision.in_fp32 == ["amp"]
     assert loop.step() is False  # cured
     assert loop.prot.guard.consecutive == 0
 
@@ -554,27 +555,47 @@ def test_forward_overflow_locate_only_without_promotion():
         "kind": "locate",
         "message": "forward overflow first appears in amp (float16)",
         "module": "amp",
+        "dtype": "float16",
     }
-    assert loop.prot.precision.exempted == []
+    assert loop.prot.precision.in_fp32 == []
 
 
-def test_forward_overflow_in_an_fp32_module_and_in_fp32():
-    loop = Loop()
+def test_a_promotion_that_does_not_cure_is_undone_and_an_fp32_module_is_never_promoted():
+    """The finding of issue #27: LayerNorms that already ran in fp32 were 'promoted'. A module
+    that overflows in fp32 is not a precision problem: a promotion that did not cure is undone
+    (the module was not the cause) and it is not promoted again; in an fp32 run nothing is."""
+    loop = Loop(rollback_after=0)
     loop.model.amp.boost = 1e20  # overflows fp32 as well
     loop.step()
     assert loop.kinds() == ["overflow", "promotion"]
     loop.step()
     assert _strip(loop.prot.events[-1]) == {
         "step": 2,
-        "kind": "locate",
-        "message": "forward overflow in amp, already fp32",
+        "kind": "promotion_undone",
+        "message": "amp overflows in fp32 too (promoted at step 1): not the cause, moved back to "
+        "fp16",
         "module": "amp",
+        "promoted_at": 1,
     }
+    assert loop.prot.precision.in_fp32 == []
+    loop.step()
+    assert _strip(loop.prot.events[-1]) == {
+        "step": 3,
+        "kind": "locate",
+        "message": "forward overflow first appears in amp, which overflowed in fp32 too when it "
+        "was moved there: not a precision problem (look at the learning rate and the data)",
+        "module": "amp",
+        "dtype": "float16",
+    }
+    assert loop.prot.precision.in_fp32 == []
     loop = Loop("fp32", rollback_after=0)
     loop.model.amp.boost = 1e20
     loop.step()
-    assert loop.prot.events[-1]["message"] == "forward overflow first appears in amp (float32)"
-    assert loop.prot.precision.exempted == []
+    assert loop.prot.events[-1]["message"] == (
+        "forward overflow first appears in amp, which computes in float32 already: not a "
+        "precision problem (look at the learning rate and the data)"
+    )
+    assert loop.prot.precision.in_fp32 == []
 
 
 def test_forward_overflow_of_the_loss_itself_names_the_model():
@@ -584,8 +605,10 @@ def test_forward_overflow_of_the_loss_itself_names_the_model():
     assert _strip(loop.prot.events[-1]) == {
         "step": 1,
         "kind": "locate",
-        "message": "forward overflow first appears in <model> (float32)",
+        "message": "forward overflow: the loss itself is not finite while every module's "
+        "output is (look at the loss function, the labels and the learning rate)",
         "module": "<model>",
+        "dtype": "float32",
     }
 
 
@@ -800,20 +823,20 @@ def test_on_read_with_nothing_pending_does_nothing():
 
 
 # ------------------------------------------------------------------ switching and state
-def test_switch_precision_keeps_exemptions_counters_and_hooks():
+def test_switch_precision_keeps_fp32_modules_counters_and_hooks():
     loop = Loop(scaler={"history_size": 7})
     loop.step(plant=("head.weight",))
-    loop.prot.precision.exempt(loop.model, "head")  # a promotion
+    loop.prot.precision.to_fp32(loop.model, "head")  # a promotion
     hook = loop.prot.scaler.reduce_flags = lambda flags: flags
     opt = loop.prot.optimizer
     loop.prot.switch_precision("bf16", scale=64.0)
     new = loop.prot.precision
-    assert new.name == "bf16" and new.exempted == ["head"] and new.scaler.history_size == 7
+    assert new.name == "bf16" and new.in_fp32 == ["head"] and new.scaler.history_size == 7
     assert new.scaler.reduce_flags is hook and new.scaler.skipped_steps == 1
     assert new.scaler.get_scale() == 1.0 and new.scaler.device == torch.device("cpu")
     assert loop.prot.optimizer is opt  # nothing to rebuild
     loop.prot.switch_precision("fp16", scale=64.0)
-    assert loop.prot.scaler.get_scale() == 64.0 and loop.prot.precision.exempted == ["head"]
+    assert loop.prot.scaler.get_scale() == 64.0 and loop.prot.precision.in_fp32 == ["head"]
     loop.prot.switch_precision("fp16", scale=INF)  # not a scale: the counters' own is kept
     assert loop.prot.scaler.get_scale() == 64.0
     loop.prot.switch_precision("fp16")
@@ -826,7 +849,7 @@ def test_switch_precision_reapplies_configured_fp32_modules_once():
     prec.prepare(model)
     prot = Protection(model, torch.optim.SGD(model.parameters(), lr=0.1), prec)
     prot.switch_precision("bf16")
-    assert prot.precision.exempted == ["amp"] and prot.precision.fp32_modules == ["amp"]
+    assert prot.precision.in_fp32 == ["amp"] and prot.precision.fp32_modules == ["amp"]
     assert prot.precision.device_type == "cuda"
 
 
@@ -853,6 +876,9 @@ def test_state_dict_is_the_guards_history_and_the_spike_window():
         "consecutive": 1,
         "rollbacks": 0,
         "spike": {"loss": None, "norm": None},  # no window statistics yet
+        "divergence": {"losses": [], "steps": [], "good_step": 0, "start": None},  # no row yet
+        "promoted_at": {},
+        "not_the_cause": [],
     }
     other = Loop()
     other.prot.load_state_dict(

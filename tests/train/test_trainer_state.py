@@ -1,5 +1,5 @@
 """What the loop promises about state: a rollback restores exactly the snapshot, accumulation is
-the large-batch step, exempted modules really run in fp32, a kill inside a checkpoint write
+the large-batch step, fp32 modules really run in fp32, a kill inside a checkpoint write
 leaves the previous checkpoint whole."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ampctl.cli import app
 from ampctl.runlog import RunLayout
 from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import load_checkpoint
@@ -109,10 +111,10 @@ def test_grad_accumulation_equals_the_large_batch_gradient(fast_cfg):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_exempted_modules_run_in_fp32_at_run_time(fast_cfg):
+def test_fp32_modules_run_in_fp32_at_run_time(fast_cfg):
     cfg = fast_cfg("precision.fp32_modules=[*embeddings*]")
     tr = Trainer(cfg, new_run_dir(cfg.trainer.runs_dir, "ex"))
-    assert tr.precision.exempted == ["bert.embeddings"]
+    assert tr.precision.in_fp32 == ["bert.embeddings"]
     seen = {}
     hooks = [
         tr.model.get_submodule(name).register_forward_hook(
@@ -175,13 +177,7 @@ def test_kill_inside_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, 
     run = RunLayout(tmp_path / "runs" / "k")
     assert [p.name for p in run.checkpoints()] == ["step_00000004.pt"]
     assert load_checkpoint(run.root)["step"] == 4
-    r = subprocess.run(
-        [sys.executable, "-m", "ampctl", "train", "--resume", str(run.root), "-q"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(app, ["train", "--resume", str(run.root), "-q"])  # in-process
+    assert r.exit_code == 0, r.output
     assert load_checkpoint(run.root)["step"] == 12
     assert [row["step"] for row in read_jsonl(run.metrics)] == [4, 8, 12]

@@ -46,6 +46,7 @@ def metrics(step: int = 40, **over) -> dict:
         loss=4.1234,
         scale=1024.0,
         skipped=2,
+        spikes=1,
         overflow_rate=0.05,
         grad_norm=1.234,
         grad_amax=0.045,
@@ -135,6 +136,7 @@ def test_plain_one_line_per_update():
     # all the other figures are there too, in the stable key=value form
     for part in (
         "skipped=2",
+        "spikes=1",
         "overflow=5.0%",
         "gnorm=1.23",
         "amax=0.045",
@@ -167,6 +169,7 @@ def test_plain_every_key_present_even_when_missing():
         "loss",
         "scale",
         "skipped",
+        "spikes",
         "overflow",
         "gnorm",
         "amax",
@@ -370,6 +373,7 @@ def test_live_renders_table_history_and_events():
     # both underflow figures, each under its own name
     assert re.search(r"param underflow\s+0\.1%", final), final
     assert re.search(r"act underflow\s+2\.3%", final), final
+    assert re.search(r"spikes\s+1", final), final  # steps the spike rule skipped
     # history keeps the last 8 logged rows: steps 30..100 (losses 3.97..3.90), not 10/20
     assert [row[0] for row in d.history] == list(range(30, 110, 10))
     assert "3.9700" in final and "3.9800" not in final and "3.9900" not in final
@@ -382,6 +386,8 @@ def test_live_event_styles():
     d.event({"step": 1, "kind": "overflow", "message": "o"})
     d.event({"step": 2, "kind": "promotion", "message": "p"})
     d.event({"step": 3, "kind": "abort", "message": "a"})
+    d.event({"step": 4, "kind": "spike", "message": "s"})
+    d.event({"step": 5, "kind": "divergence", "message": "d"})
     con2 = Console(file=io.StringIO(), force_terminal=True, color_system="standard", width=120)
     with con2.capture() as cap:
         con2.print(d.render())
@@ -389,6 +395,8 @@ def test_live_event_styles():
     assert re.search(r"\x1b\[[0-9;]*33[0-9;]*moverflow", text)  # yellow
     assert re.search(r"\x1b\[[0-9;]*35[0-9;]*mpromotion", text)  # magenta
     assert re.search(r"\x1b\[[0-9;]*31[0-9;]*mabort", text)  # red
+    assert re.search(r"\x1b\[[0-9;]*33[0-9;]*mspike", text)  # yellow
+    assert re.search(r"\x1b\[[0-9;]*31[0-9;]*mdivergence", text)  # red
     d.__exit__(None, None, None)
 
 

@@ -21,7 +21,7 @@ from ampctl.amp.formats import FP16_MAX, FP16_SUBNORMAL, FP16_TINY, dtype_max
 from ampctl.amp.fp8 import DEFAULT_EXCLUDE, RECIPES
 from ampctl.amp.scaler import LossScaler
 
-from .base import Precision, bf16_supported, match_modules
+from .base import Precision, bf16_supported, match_modules, saved_in_fp32
 from .bf16 import BF16Precision
 from .fp8 import FP8Precision
 from .fp16 import FP16Precision
@@ -29,6 +29,7 @@ from .fp16_pure import FP16PurePrecision, MasterWeights
 from .fp32 import FP32Precision
 
 __all__ = [
+    "saved_in_fp32",
     "PRECISIONS",
     "PrecisionConfig",
     "PLUGINS",

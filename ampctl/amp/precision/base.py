@@ -4,11 +4,11 @@
 A plugin owns, for one precision: its autocast context, its :class:`~ampctl.amp.LossScaler`
 (scaling on for the fp16 family; for the others the scaler still detects non-finite steps and
 skips them), the parameters the optimizer steps (fp32 masters in fp16-pure), the backward and
-optimizer-step hooks, the modules it exempts to fp32, and its state in a checkpoint.
+optimizer-step hooks, the modules it runs in fp32, and its state in a checkpoint.
 
 ``fp32_modules`` (fnmatch patterns over module names, e.g. ``*embeddings*``) run their forward
 in fp32 even under autocast: inputs are cast up and autocast is off inside. Modules can be
-exempted later (``exempt``), which is how the overflow guard moves a module that overflows out
+moved to fp32 later (``to_fp32``), which is how the overflow guard moves a module that overflows out
 of the low precision while the rest stays fast.
 
 A plugin may also keep some layers in a precision *lower* than its autocast dtype (fp8: torchao
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +35,7 @@ from torch import nn
 
 from ampctl.amp.scaler import LossScaler
 
-__all__ = ["Precision", "match_modules", "bf16_supported"]
+__all__ = ["Precision", "match_modules", "bf16_supported", "saved_in_fp32"]
 
 
 def bf16_supported(device: torch.device | str) -> bool:
@@ -88,6 +88,12 @@ def _module_device_type(module: nn.Module) -> str:
     return "cpu"
 
 
+def saved_in_fp32(state: Mapping[str, Any]) -> list[str]:
+    """The module names a saved precision state (:meth:`Precision.state_dict`) runs in fp32.
+    Checkpoints of ampctl 0.2 and before keep them under ``"exempted"``, still read."""
+    return [str(n) for n in state.get("in_fp32", state.get("exempted", []))]
+
+
 class Precision:
     """A precision plugin (see the module docstring). Subclasses set the class attributes and
     override the hooks they need.
@@ -120,14 +126,14 @@ class Precision:
         self.fp32_modules = list(fp32_modules)
         self.device_type = device_type
         self.scaler = scaler if scaler is not None else LossScaler(enabled=self.needs_scaler)
-        self.exempted: list[str] = []  # module names currently running in fp32
+        self.in_fp32: list[str] = []  # module names currently running in fp32
         self._originals: dict[str, tuple[nn.Module, object]] = {}
         # every option this plugin was made with (also other plugins' keys): a precision
         # fallback hands them to the next plugin
         self.options: dict[str, Any] = {}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(exempted={self.exempted})"
+        return f"{type(self).__name__}(in_fp32={self.in_fp32})"
 
     # ------------------------------------------------------------------ properties
     @property
@@ -147,19 +153,19 @@ class Precision:
 
     # ------------------------------------------------------------------ hooks
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Apply the precision to a model in place (base: the fp32 exemptions)."""
+        """Apply the precision to a model in place (base: the fp32 modules to fp32)."""
         for name in match_modules(model, self.fp32_modules):
-            self.exempt(model, name)
+            self.to_fp32(model, name)
         return model
 
     def release(self, model: nn.Module) -> list[str]:
         """Undo :meth:`prepare` (the model is left in fp32 with its current values, e.g. before
-        switching to another precision). Returns the module names that were exempted."""
-        exempted = list(self.exempted)
-        for n in exempted:
-            self.unexempt(model, n)
+        switching to another precision). Returns the module names that were in fp32."""
+        names = list(self.in_fp32)
+        for n in names:
+            self.undo_fp32(model, n)
         model.float()
-        return exempted
+        return names
 
     def optimizer_params(self, model: nn.Module) -> list[nn.Parameter]:
         """Parameters the optimizer should own."""
@@ -218,7 +224,7 @@ class Precision:
 
     def restore(self, model: nn.Module, state: dict[str, Any]) -> None:
         """After :meth:`prepare` on resume: redo what :meth:`state_dict` recorded beyond the
-        exemptions (the caller re-exempts those). Pass-through."""
+        fp32 modules (the caller moves those to fp32 again). Pass-through."""
 
     def summary(self, model: nn.Module) -> dict[str, Any]:
         """Keys for the run summary. None here."""
@@ -227,7 +233,7 @@ class Precision:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the precision (the scaler is saved on its own)."""
-        return {"name": self.name, "exempted": list(self.exempted)}
+        return {"name": self.name, "in_fp32": list(self.in_fp32)}
 
     def master_state(self) -> list[torch.Tensor] | None:
         """CPU copies of the fp32 masters (fp16-pure), else None. Copies to the host."""
@@ -236,33 +242,47 @@ class Precision:
     def load_master_state(self, masters: list[torch.Tensor] | None) -> None:
         """Restore :meth:`master_state`. Pass-through."""
 
-    # ------------------------------------------------------------------ exemptions
-    def exempt(self, model: nn.Module, name: str) -> bool:
+    # ------------------------------------------------------------------ fp32 modules
+    def to_fp32(self, model: nn.Module, name: str) -> bool:
         """Run module ``name`` in fp32 from now on (inputs cast up, autocast off inside).
 
-        Returns False when it (or an ancestor) is already exempt.
+        Returns False when it (or an ancestor) already runs in fp32.
         """
-        if name in self.exempted or any(name.startswith(e + ".") for e in self.exempted):
+        if name in self.in_fp32 or any(name.startswith(e + ".") for e in self.in_fp32):
             return False
         module = model.get_submodule(name)
-        self._exempt_params(module)
+        self._fp32_params(module)
         orig = module.forward
         wrapped = functools.partial(_fp32_forward, orig, _module_device_type(module))
         functools.update_wrapper(wrapped, orig)
         had_instance_forward = "forward" in module.__dict__
         module.forward = wrapped  # instance attribute: nn.Module.__call__ picks it up
         self._originals[name] = (module, orig if had_instance_forward else None)
-        self.exempted.append(name)
+        self.in_fp32.append(name)
         return True
 
-    def _exempt_params(self, module: nn.Module) -> None:
-        """What exempting does to the module's parameters (base: nothing, they are fp32)."""
+    def _fp32_params(self, module: nn.Module) -> None:
+        """What :meth:`to_fp32` does to the module's parameters (base: nothing, they are fp32)."""
 
-    def unexempt(self, model: nn.Module, name: str) -> None:
-        """Undo ``exempt`` for ``name``."""
+    def undo_fp32(self, model: nn.Module, name: str) -> None:
+        """Undo :meth:`to_fp32` for ``name``."""
         module, orig = self._originals.pop(name)
         if orig is None:
             del module.forward
         else:
             module.forward = orig
-        self.exempted.remove(name)
+        self.in_fp32.remove(name)
+
+    # the names of ampctl 0.2 and before, kept for code written against them
+    @property
+    def exempted(self) -> list[str]:
+        """Old name of :attr:`in_fp32`."""
+        return self.in_fp32
+
+    def exempt(self, model: nn.Module, name: str) -> bool:
+        """Old name of :meth:`to_fp32`."""
+        return self.to_fp32(model, name)
+
+    def unexempt(self, model: nn.Module, name: str) -> None:
+        """Old name of :meth:`undo_fp32`."""
+        self.undo_fp32(model, name)

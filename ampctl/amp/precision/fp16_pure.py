@@ -92,7 +92,7 @@ class FP16PurePrecision(Precision):
     def prepare(self, model: nn.Module) -> nn.Module:
         super().prepare(model)
         model.half()
-        for name in self.exempted:
+        for name in self.in_fp32:
             model.get_submodule(name).float()
         self._master = MasterWeights(model)
         return model
@@ -103,7 +103,7 @@ class FP16PurePrecision(Precision):
         self._master = None
         return super().release(model)
 
-    def _exempt_params(self, module: nn.Module) -> None:
+    def _fp32_params(self, module: nn.Module) -> None:
         if self._master is not None:
             module.float()  # same Parameter objects, now fp32; masters stay paired
 

@@ -83,12 +83,12 @@ class FP8Precision(Precision):
     def __repr__(self) -> str:
         return (
             f"FP8Precision(recipe={self.recipe}, converted={len(self.converted)}, "
-            f"demoted={list(self.demoted)}, exempted={self.exempted})"
+            f"demoted={list(self.demoted)}, in_fp32={self.in_fp32})"
         )
 
     # ------------------------------------------------------------------ applying
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Convert the eligible layers to fp8 (torchao), then apply the fp32 exemptions.
+        """Convert the eligible layers to fp8 (torchao), then move the fp32 modules to fp32.
 
         Layers inside an ``fp32_modules`` module stay out of fp8. Raises
         :class:`~ampctl.amp.fp8.Fp8Unavailable` without torchao (before changing anything)."""
@@ -111,18 +111,18 @@ class FP8Precision(Precision):
 
     def release(self, model: nn.Module) -> list[str]:
         """Demote every fp8 layer (same Parameters: the optimizer state stays valid), then undo
-        the exemptions. Returns the exempted module names."""
+        the fp32 modules. Returns the names of the modules that were in fp32."""
         for name in fp8.converted_layers(model):
             fp8.demote(model, name)
         return super().release(model)
 
-    def exempt(self, model: nn.Module, name: str) -> bool:
+    def to_fp32(self, model: nn.Module, name: str) -> bool:
         """Run module ``name`` in fp32; the fp8 layers at or inside it are demoted first."""
-        if name in self.exempted or any(name.startswith(e + ".") for e in self.exempted):
+        if name in self.in_fp32 or any(name.startswith(e + ".") for e in self.in_fp32):
             return False
         for layer in self.demotable(model, name):
             self.demote(model, layer, f"inside '{name}', which now runs in fp32")
-        return super().exempt(model, name)
+        return super().to_fp32(model, name)
 
     # ------------------------------------------------------------------ fp8 layers
     def demotable(self, model: nn.Module, under: str = "") -> list[str]:

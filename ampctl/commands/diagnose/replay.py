@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampctl.amp import PrecisionPolicy, nonfinite_tensor_names
+from ampctl.amp import Precision, make_precision, nonfinite_tensor_names
 from ampctl.amp.actgrad import ActGradCounter
 from ampctl.amp.formats import (
     FP16_MAX,
@@ -223,9 +223,9 @@ def _reference_pass(inp: ReplayInput) -> _Reference:
     return ref
 
 
-def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
-    policy = PrecisionPolicy(
-        name=inp.precision,
+def _prepare_policy(inp: ReplayInput) -> tuple[Precision, list[str]]:
+    policy = make_precision(
+        inp.precision,
         fp32_modules=list(inp.fp32_modules),
         device_type=inp.device.type,
         options=inp.options,
@@ -235,10 +235,10 @@ def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
         if inp.precision == "fp8":  # as the trainer: convert, demote again, then exempt
             policy.prepare(inp.model)
             policy.restore(inp.model, inp.precision_state or {})
-            exempted = [n for n in inp.exempt if policy.exempt(inp.model, n)]
+            exempted = [n for n in inp.exempt if policy.to_fp32(inp.model, n)]
         else:
             for n in inp.exempt:
-                if policy.exempt(inp.model, n):
+                if policy.to_fp32(inp.model, n):
                     exempted.append(n)
             policy.prepare(inp.model)
     except UsageError as e:  # fp8: torchao missing, a bad recipe or exclusion list
@@ -247,11 +247,11 @@ def _prepare_policy(inp: ReplayInput) -> tuple[PrecisionPolicy, list[str]]:
         raise ReplaySkipped(
             f"the checkpoint's fp32 modules do not fit the model: {first_line(e)}"
         ) from None
-    exempted = list(dict.fromkeys(list(getattr(policy, "exempted", [])) + exempted))
+    exempted = list(dict.fromkeys(list(policy.in_fp32) + exempted))
     return policy, exempted
 
 
-def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> _LowPass:
+def _precision_pass(inp: ReplayInput, policy: Precision, low: str) -> _LowPass:
     """The run's precision, with hooks: module headroom, first non-finite forward/backward;
     under fp8 also the cast figures of every fp8 layer (kept on the device)."""
     model = inp.model
@@ -266,7 +266,7 @@ def _precision_pass(inp: ReplayInput, policy: PrecisionPolicy, low: str) -> _Low
 
 
 @contextlib.contextmanager
-def _fp8_probe(inp: ReplayInput, policy: PrecisionPolicy) -> Iterator[Any]:
+def _fp8_probe(inp: ReplayInput, policy: Precision) -> Iterator[Any]:
     """:func:`ampctl.amp.fp8.record_casts` over the fp8 pass (None for other precisions)."""
     if policy.name != "fp8":
         yield None
@@ -279,7 +279,7 @@ def _fp8_probe(inp: ReplayInput, policy: PrecisionPolicy) -> Iterator[Any]:
 
 def _precision_batch(
     inp: ReplayInput,
-    policy: PrecisionPolicy,
+    policy: Precision,
     low: str,
     st: _LowPass,
     named: list[tuple[str, nn.Parameter]],
@@ -458,7 +458,7 @@ def _fp8_section(inp: ReplayInput, policy: Any, probe: Any) -> Fp8Section | None
 def replay_scale(scaler: ScalerState | None, precision: str, fallback: float) -> float:
     """The scale the run would use next: the checkpoint's (when it is a usable number), else
     ``fallback`` (the configured init scale). 1.0 for precisions without loss scaling."""
-    if PrecisionPolicy(name=precision).compute_dtype != torch.float16:
+    if make_precision(precision).compute_dtype != torch.float16:
         return 1.0
     scale = scaler.scale if scaler is not None and scaler.enabled else None
     return float(scale) if finite(scale) and scale > 0 else float(fallback)

@@ -21,6 +21,11 @@ EVENT_STYLE: dict[str, tuple[str, str]] = {
     "abort": ("black", "-"),
     "interrupt": ("tab:gray", ":"),
     "branch": ("tab:blue", ":"),
+    "divergence": ("tab:red", "-"),
+    "spike": ("goldenrod", ":"),
+    "rerun": ("tab:cyan", "--"),
+    "data_skip": ("tab:brown", ":"),
+    "promotion_undone": ("tab:purple", ":"),
 }
 RESTORING = ("rollback", "fallback")  # events that restore a snapshot (the step goes back)
 

@@ -211,8 +211,12 @@ def _rate_panel(ax_rate, data: RunData) -> None:
     ax_rate.set_ylabel("overflow rate")
 
 
+PARAM_UF_LABEL = "param-grad underflow (share of elements 0 or < 2^-24 once scaled)"
+ACT_UF_LABEL = "activation-grad underflow (share of fp16 elements 0 or subnormal)"
+
+
 def _grad_panel(ax_gn, data: RunData) -> Any:
-    """4) gradient norm and underflow fraction (second y-axis); returns the second axis."""
+    """4) gradient norm and underflow fractions (second y-axis); returns the second axis."""
     xs, ys, kept = data.series("grad_norm")
     _draw_series(ax_gn, xs, ys, kept, label="grad norm", color="teal")
     finite = [y for y in ys if math.isfinite(y) and y > 0]
@@ -221,20 +225,33 @@ def _grad_panel(ax_gn, data: RunData) -> Any:
     ax_gn.set_ylabel("grad norm")
     ax_uf = ax_gn.twinx()
     xs, ys, kept = data.series("grad_underflow_frac")
-    _draw_series(ax_uf, xs, ys, kept, label="param-grad underflow", color="tab:brown")
-    top = max((y for y in ys if math.isfinite(y)), default=0.0)
+    _draw_series(ax_uf, xs, ys, kept, label=PARAM_UF_LABEL, color="tab:brown")
+    drawn = [y for y in ys if math.isfinite(y)]
     xs, ys, kept = data.series("act_grad_underflow_frac")
     if any(math.isfinite(y) for y in ys):  # fp16 runs: the activation gradients' figure
-        _draw_series(
-            ax_uf, xs, ys, kept, label="activation-grad underflow (fp16)", color="tab:olive"
-        )
-        top = max([top, *(y for y in ys if math.isfinite(y))])
-    ax_uf.set_ylim(0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
-    from matplotlib.ticker import PercentFormatter
-
-    ax_uf.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-    ax_uf.set_ylabel("underflow fraction")
+        _draw_series(ax_uf, xs, ys, kept, label=ACT_UF_LABEL, color="tab:olive")
+        drawn += [y for y in ys if math.isfinite(y)]
+    _underflow_scale(ax_uf, drawn)
     return ax_uf
+
+
+def _underflow_scale(ax_uf, values: list[float]) -> None:
+    """A fraction axis: linear from 0, or -- when the figures drawn are orders of magnitude
+    apart (0.05% of the parameter gradients next to 45% of the activation gradients) -- log,
+    so the smaller one is not a flat line on the 0% axis (a 0 sits on the bottom edge)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    pos = [y for y in values if y > 0]
+    top = max(values, default=0.0)
+    if pos and max(pos) / min(pos) > 10:
+        ax_uf.set_yscale("log")
+        ax_uf.set_ylim(min(pos) / 4, max(pos) * 2)
+        ax_uf.yaxis.set_minor_formatter(NullFormatter())
+        ax_uf.set_ylabel("underflow fraction (log)")
+    else:
+        ax_uf.set_ylim(0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
+        ax_uf.set_ylabel("underflow fraction")
+    ax_uf.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y * 100:.3g}%"))
 
 
 def _as_list(baseline: str | Path | Sequence[str | Path] | None) -> list[Path]:

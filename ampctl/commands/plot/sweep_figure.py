@@ -21,7 +21,8 @@ SWEEP_METRICS = ("loss_gap", "final_loss", "skipped", "overflow_rate", "wall_tim
 _OK = ("ok",)
 
 
-def _sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+def _sweep_rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """results.json's trial rows, and the recommendation's tie record when it has one."""
     path = sweep_dir / "results.json"
     try:
         obj = json.loads(path.read_text())
@@ -29,7 +30,10 @@ def _sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         raise UsageError(
             f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); it is written by ampctl sweep-scale"
         ) from None
+    tie = None
     if isinstance(obj, dict):
+        rec = obj.get("recommendation")
+        tie = rec.get("tie") if isinstance(rec, dict) and isinstance(rec.get("tie"), dict) else None
         obj = next(
             (obj[k] for k in ("trials", "results", "rows") if isinstance(obj.get(k), list)), None
         )
@@ -37,7 +41,7 @@ def _sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         raise UsageError(
             f"{str(path)!r}: expected a list of trial objects (trial, init_scale, growth_interval, status, ...)"
         )
-    return obj
+    return obj, tie
 
 
 def _is_num(v: Any) -> bool:
@@ -57,6 +61,32 @@ def _pick_metric(rows: list[dict[str, Any]], metric: str | None) -> str:
     return metric
 
 
+def _gap_tie() -> float:
+    from ampctl.commands.sweep.rank import GAP_TIE  # the sweep's own rule (imported when drawn)
+
+    return GAP_TIE
+
+
+def _colour_value(metric: str, v: float) -> float:
+    """The value a cell is coloured by: a loss gap as the sweep ranks it (clipped at 0, in whole
+    ``GAP_TIE`` steps, so gaps the ranking ties look alike), any other metric as it is."""
+    if metric == "loss_gap":
+        tie = _gap_tie()
+        return math.floor(max(v, 0.0) / tie + 1e-6) * tie
+    return v
+
+
+def _all_tie(metric: str, values: Any) -> bool:
+    """Whether every cell ties: one loss-gap step, final losses within GAP_TIE of each other
+    (relative), or the same value of any other metric."""
+    if values.size < 2:
+        return False
+    lo, hi = float(values.min()), float(values.max())
+    if metric == "final_loss":
+        return hi - lo <= _gap_tie() * max(abs(lo), 1e-12)
+    return hi == lo
+
+
 @dataclass
 class _Grid:
     """The heat map's cells: the metric's best value per (growth_interval, init_scale)."""
@@ -68,6 +98,7 @@ class _Grid:
     status: list[list[str]]
     per_cell: dict[tuple[int, int], int]
     ranked_first: tuple[int, int] | None
+    raw: Any  # the metric's own value per cell (the text); ``z`` is what colours it
 
 
 def _grid(rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]], metric: str | None) -> _Grid:
@@ -77,6 +108,7 @@ def _grid(rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]], metric: s
     inits = sorted({float(r["init_scale"]) for r in grid_rows})
     grows = sorted({int(r["growth_interval"]) for r in grid_rows})
     z = np.full((len(grows), len(inits)), np.nan)
+    raw = np.full_like(z, np.nan)
     status = [["" for _ in inits] for _ in grows]
     per_cell: dict[tuple[int, int], int] = {}
     ranked_first = None
@@ -86,8 +118,9 @@ def _grid(rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]], metric: s
         if r.get("rank") == 1:
             ranked_first = (i, j)
         ok = str(r.get("status", "ok")) in _OK and _is_num(r.get(metric))
-        if ok and (math.isnan(z[i, j]) or r[metric] < z[i, j]):  # repeated cells: keep the best
-            z[i, j] = float(r[metric])
+        if ok and (math.isnan(raw[i, j]) or r[metric] < raw[i, j]):  # repeated: keep the best
+            raw[i, j] = float(r[metric])
+            z[i, j] = _colour_value(metric, raw[i, j])
             status[i][j] = "ok"
         elif not ok and status[i][j] != "ok":
             status[i][j] = (
@@ -96,35 +129,66 @@ def _grid(rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]], metric: s
                 else "no value"
             )
 
-    return _Grid(metric, inits, grows, z, status, per_cell, ranked_first)
+    return _Grid(metric, inits, grows, z, status, per_cell, ranked_first, raw)
 
 
-def _heatmap_panel(fig, ax_hm, g: _Grid) -> None:
-    """The metric over init_scale x growth_interval; failed cells hatched and named, the best
-    outlined."""
+_TIE_RULE = {
+    "s_star": "tie broken by the S* estimate",
+    "default_init_scale": "tie broken by the default 2^16",
+    "default_growth_interval": "tie broken by growth_interval 2000",
+    "order": "tie broken by the plan's order",
+}
+
+
+def _heatmap_image(fig, ax_hm, g: _Grid) -> tuple[float, bool]:
+    """Draw the cells; returns the value that splits dark from light text and whether every
+    cell ties (then they share one colour and no colour bar pretends otherwise)."""
+    import numpy as np
+    from matplotlib.colors import Normalize
+
+    finite = g.z[np.isfinite(g.z)]
+    tie = _all_tie(g.metric, finite)
+    label = (
+        f"{g.metric} in whole {_gap_tie():.1%} steps, below 0 as 0 (lower is better)"
+        if g.metric == "loss_gap"
+        else f"{g.metric} (lower is better)"
+    )
+    # all tie: one colour (the map's middle); else the colours span the values drawn
+    norm = Normalize(finite.min() - 1, finite.max() + 1) if tie else None
+    img = ax_hm.imshow(
+        np.ma.masked_invalid(g.z), cmap="viridis_r", origin="lower", aspect="auto", norm=norm
+    )
+    img.set_gid("heatmap")
+    if not tie:
+        fig.colorbar(img, ax=ax_hm, label=label)
+    mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
+    return mid, tie
+
+
+def _heatmap_panel(fig, ax_hm, g: _Grid, tie_record: dict[str, Any] | None = None) -> None:
+    """The metric over init_scale x growth_interval; failed cells hatched and named, the
+    sweep's rank 1 outlined (with the rule that broke its tie, from results.json)."""
     import numpy as np
     from matplotlib.patches import Rectangle
 
     metric, inits, grows, z, status = g.metric, g.inits, g.grows, g.z, g.status
     per_cell, ranked_first = g.per_cell, g.ranked_first
-    img = ax_hm.imshow(np.ma.masked_invalid(z), cmap="viridis_r", origin="lower", aspect="auto")
-    img.set_gid("heatmap")
-    fig.colorbar(img, ax=ax_hm, label=f"{metric} (lower is better)")
+    mid, all_tie = _heatmap_image(fig, ax_hm, g)
     ax_hm.set_xticks(range(len(inits)), [_fmt_scale(v) for v in inits])
     ax_hm.set_yticks(range(len(grows)), [str(g) for g in grows])
     ax_hm.set_xlabel("scaler.init_scale")
     ax_hm.set_ylabel("scaler.growth_interval")
     finite = z[np.isfinite(z)]
-    # the sweep's own rank 1 (gap, then skips, then speed) when it ranked; else the lowest value
+    # the sweep's own rank 1 (merit, then its tie break) when it ranked; else the lowest value
     best = ranked_first or (np.unravel_index(np.nanargmin(z), z.shape) if finite.size else None)
-    mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
     for i in range(len(grows)):
         for j in range(len(inits)):
             if status[i][j] == "ok":
+                v = g.raw[i, j]
                 ax_hm.text(
                     j,
                     i,
-                    f"{z[i, j]:+.1%}" if metric == "loss_gap" else f"{z[i, j]:.4g}",
+                    f"{v:+.1%}" if metric == "loss_gap" else f"{v:.4g}",
                     ha="center",
                     va="center",
                     fontsize=9,
@@ -167,7 +231,13 @@ def _heatmap_panel(fig, ax_hm, g: _Grid) -> None:
             )
         )
     note = ", best of several trials per cell" if any(n > 1 for n in per_cell.values()) else ""
-    ax_hm.set_title(f"{metric} by init_scale x growth_interval{note}", fontsize=10)
+    title = f"{metric} by init_scale x growth_interval{note}"
+    if all_tie:
+        title += ": all tie"
+    rule = _TIE_RULE.get(str((tie_record or {}).get("rule")))
+    if best is not None and ranked_first is not None and rule:
+        title += f"\nred box: the recommendation ({rule})"
+    ax_hm.set_title(title, fontsize=10)
 
 
 def _trajectory_panels(ax_sc, ax_ls, rows: list[dict[str, Any]], g: _Grid, sweep_dir: Path) -> None:
@@ -272,7 +342,7 @@ def build_sweep_figure(sweep_dir: str | Path, metric: str | None = None) -> Figu
         raise UsageError(
             f"{str(sweep_dir)!r} has no results.json: give a folder written by ampctl sweep-scale"
         )
-    rows = _sweep_rows(sweep_dir)
+    rows, tie_record = _sweep_rows(sweep_dir)
     grid_rows = [
         r
         for r in rows
@@ -292,7 +362,7 @@ def build_sweep_figure(sweep_dir: str | Path, metric: str | None = None) -> Figu
     ax_sc = fig.add_subplot(gs[0, 1])
     ax_ls = fig.add_subplot(gs[1, :])
 
-    _heatmap_panel(fig, ax_hm, g)
+    _heatmap_panel(fig, ax_hm, g, tie_record)
     _trajectory_panels(ax_sc, ax_ls, rows, g, sweep_dir)
     n_base = sum(1 for r in rows if r.get("kind") == "baseline")
     counts = f"{len(rows) - n_base} trials" + (f" + {n_base} baseline" if n_base else "")

@@ -42,12 +42,16 @@ fast but closes by the end; 50% is far beyond that lag and far below a blow-up.
 
 Ranking (:mod:`.rank`): trials that finished their rung ok, the highest rung first; within a
 rung by loss gap counted in whole 0.1% steps (:data:`GAP_TIE`; clipped at 0, truncated: any gap
-under +0.1% ties with the reference), then fewest skipped steps, then steps/s.
+under +0.1% ties with the reference), then fp16 without loss scaling (``init_scale`` <= 1) after
+the scaled trials (it is recommended only when strictly best on loss), then fewest skipped steps.
+Trials equal on those tie; a tie goes to the init_scale closest to the data-driven S* estimate
+(the conventional default 2^16 without one), then the growth_interval closest to 2000 -- never
+to steps/s, which moves with machine load -- and the report says who tied and which rule
+decided.
 
 Successive halving (``--halving ETA``): rungs end at ``steps / ETA^k`` steps
 (:func:`rung_budgets`); every trial runs the first rung; the best ``1/ETA`` of each rung continue
-(and any trial that ties with the last of them on gap step and skipped steps: steps/s, which
-moves with machine load, never decides who stops), resumed from their own checkpoints (``ampctl train --resume TRIAL_DIR trainer.stop_at=STEP``),
+(and any trial that ties with the last of them: a tie break never decides who stops), resumed from their own checkpoints (``ampctl train --resume TRIAL_DIR trainer.stop_at=STEP``),
 to the full steps. The baselines run every rung too (each continued from its checkpoint), so
 each rung compares trials and baseline at the same step, with the same learning-rate schedule.
 Results record each trial's ``rung`` and ``steps_spent``.
@@ -55,12 +59,21 @@ Results record each trial's ``rung`` and ``steps_spent``.
 
 from __future__ import annotations
 
+from .execute import run_sweep, sweep
 from .launchers import LAUNCHERS, LauncherOptions, Outcome, TrialJob
 from .launchers.local import threads_per_trial
 from .plan import DEFAULT_GRID, SweepPlan, Trial, parse_sweep, plan_sweep, rung_budgets
-from .rank import DIVERGE_GAP, GAP_TIE, STOP_GAP, finalize_rows, live_divergence, rank_key
+from .rank import (
+    DIVERGE_GAP,
+    GAP_TIE,
+    STOP_GAP,
+    finalize_rows,
+    live_divergence,
+    merit,
+    rank_key,
+    tie_info,
+)
 from .report import SweepResult, trial_steps
-from .run import run_sweep, sweep
 from .trial import COLUMNS, PieceResult, config_diff, read_trial, trial_row
 
 __all__ = [
@@ -80,6 +93,7 @@ __all__ = [
     "config_diff",
     "finalize_rows",
     "live_divergence",
+    "merit",
     "parse_sweep",
     "plan_sweep",
     "rank_key",
@@ -88,6 +102,7 @@ __all__ = [
     "run_sweep",
     "sweep",
     "threads_per_trial",
+    "tie_info",
     "trial_row",
     "trial_steps",
 ]

@@ -1,11 +1,21 @@
 """Pure results logic: loss gaps, divergence, ranking, promotion to the next rung, the
 recommended command and the data-driven scale estimate. Functions of rows (dicts), no I/O.
 
-Ranking: trials that finished their rung ok, those of the highest rung first; within a rung by
-the loss gap to the reference counted in whole steps of :data:`GAP_TIE` (0.1%): a gap is clipped
-at 0 (a loss below the reference is on track) and truncated, so any gap under +0.1% ties with
-the reference, +0.1% up to +0.2% is the next step, and so on; then fewest skipped steps; then
-speed (steps/s, which also moves with machine load).
+Ranking: trials that finished their rung ok, those of the highest rung first; within a rung on
+their *merit* (:func:`merit`):
+
+1) the loss gap to the reference counted in whole steps of :data:`GAP_TIE` (0.1%): a gap is
+   clipped at 0 (a loss below the reference is on track) and truncated, so any gap under +0.1%
+   ties with the reference, +0.1% up to +0.2% is the next step, and so on;
+2) fp16 without loss scaling (``init_scale`` <= 1) after every scaled trial of the same gap step:
+   it is recommended only when it is strictly best on loss;
+3) fewest skipped steps.
+
+Trials of equal merit *tie*. A tie is broken by :func:`closeness`, never by speed (steps/s
+moves with machine load): the ``init_scale`` closest, in powers of two, to the data-driven
+estimate (:func:`ampctl.amp.formats.recommended_init_scale` of the trials' largest gradient),
+or to the conventional default 2^16 without one; then the ``growth_interval`` closest to the
+default 2000; then the plan's order. :func:`tie_info` says who tied and which rule broke it.
 """
 
 from __future__ import annotations
@@ -24,7 +34,14 @@ __all__ = [
     "STOP_GAP",
     "GAP_TIE",
     "RANKED",
+    "DEFAULT_INIT_SCALE",
+    "DEFAULT_GROWTH_INTERVAL",
+    "merit",
+    "unscaled",
+    "closeness",
     "rank_key",
+    "tie_info",
+    "scale_target",
     "finalize_rows",
     "select_promoted",
     "live_divergence",
@@ -39,16 +56,51 @@ GAP_TIE = 1e-3  # loss gaps are compared in whole steps of 0.1% when ranking
 RANKED = ("ok", "stopped")  # statuses that are ranked (stopped: not promoted past its rung)
 
 
-def rank_key(row: dict[str, Any]) -> tuple[int, float, float]:
-    """``(gap step, skipped, -steps/s)``, smaller is better (see the module docstring)."""
+DEFAULT_INIT_SCALE = 2.0**16  # torch.amp.GradScaler's defaults: the tie-break without S*
+DEFAULT_GROWTH_INTERVAL = 2000
+
+
+def _log2_distance(v: Any, to: float) -> float:
+    x = as_number(v)
+    if x is None or not math.isfinite(x) or x <= 0 or to <= 0:
+        return math.inf
+    return abs(math.log2(x) - math.log2(to))
+
+
+def unscaled(row: dict[str, Any]) -> bool:
+    """An fp16 trial without loss scaling: ``init_scale`` <= 1 (every sweep trial is fp16)."""
+    v = as_number(row.get("init_scale"))
+    return row.get("kind", "trial") == "trial" and v is not None and v <= 1
+
+
+def merit(row: dict[str, Any]) -> tuple[int, int, float]:
+    """``(gap step, unscaled, skipped)``, smaller is better; equal merit is a tie (see the module
+    docstring). Speed is not part of it."""
     gap = float(row["loss_gap"]) if is_finite_number(row.get("loss_gap")) else 0.0
     skipped = as_number(row.get("skipped"))
-    speed = as_number(row.get("steps_per_s"))
     return (
         math.floor(max(gap, 0.0) / GAP_TIE + 1e-6),  # + 1e-6: 0.002 is step 2, not 1.999...
+        int(unscaled(row)),
         skipped if skipped is not None else math.inf,
-        -(speed if speed is not None and math.isfinite(speed) else 0.0),
     )
+
+
+def closeness(row: dict[str, Any], target: float | None = None) -> tuple[float, float, float]:
+    """How a tie is broken, smaller first: the init_scale's distance in powers of two to
+    ``target`` (the S* estimate; :data:`DEFAULT_INIT_SCALE` when None), then to the default
+    2^16, then the growth_interval's to :data:`DEFAULT_GROWTH_INTERVAL`."""
+    to = target if target is not None and math.isfinite(target) and target > 0 else None
+    init = row.get("init_scale")
+    return (
+        _log2_distance(init, to or DEFAULT_INIT_SCALE),
+        _log2_distance(init, DEFAULT_INIT_SCALE),
+        _log2_distance(row.get("growth_interval"), DEFAULT_GROWTH_INTERVAL),
+    )
+
+
+def rank_key(row: dict[str, Any], target: float | None = None) -> tuple[float, ...]:
+    """:func:`merit`, then :func:`closeness` to ``target``; smaller is better."""
+    return (*merit(row), *closeness(row, target))
 
 
 def _reference(
@@ -90,6 +142,7 @@ def finalize_rows(
     references: dict[str, dict[int, float]] | None = None,
     stop_gap: float = STOP_GAP,
     top_rung: int | None = None,
+    target: float | None = None,
 ) -> list[str]:
     """Fill ``reference``, ``reference_loss``, ``loss_gap`` and ``rank`` in place; mark trials whose
     gap exceeds the limit as diverged (``diverge_gap`` on the last rung -- the full steps --,
@@ -98,7 +151,8 @@ def finalize_rows(
 
     ``references[baseline][step]``: the baselines' logged losses; without one at a trial's step
     the baseline's final loss is used when it ran to that step, else the lowest loss among the
-    ranked trials of the same group at that step."""
+    ranked trials of the same group at that step. ``target``: the init_scale ties are broken
+    towards (:func:`scale_target`; None: the conventional default)."""
     groups, references = groups or {}, references or {}
     by_name = {r["trial"]: r for r in rows}
     trials = [r for r in rows if r["kind"] == "trial"]
@@ -131,22 +185,25 @@ def finalize_rows(
             )
     ranked = sorted(
         (r for r in trials if r["status"] in RANKED),
-        key=lambda r: (-(r.get("rung") or 0), *rank_key(r)),
+        key=lambda r: (-(r.get("rung") or 0), *rank_key(r, target)),
     )
     for i, r in enumerate(ranked, 1):
         r["rank"] = i
     return [r["trial"] for r in ranked]
 
 
-def select_promoted(rows: list[dict[str, Any]], n: int) -> list[str]:
+def select_promoted(rows: list[dict[str, Any]], n: int, target: float | None = None) -> list[str]:
     """The best ``n`` ok trials of ``rows`` (one rung, after :func:`finalize_rows`), best first,
-    and every further trial that ties with the last of them on loss gap step and skipped steps:
-    at a cut, steps/s -- which moves with machine load -- never decides who stops."""
-    ok = sorted((r for r in rows if r["kind"] == "trial" and r["status"] == "ok"), key=rank_key)
+    and every further trial of the same :func:`merit` as the last of them: at a cut, a tie
+    break never decides who stops."""
+    ok = sorted(
+        (r for r in rows if r["kind"] == "trial" and r["status"] == "ok"),
+        key=lambda r: rank_key(r, target),
+    )
     keep = ok[: max(n, 0)]
     if keep:
-        cut = rank_key(keep[-1])[:2]
-        keep += [r for r in ok[len(keep) :] if rank_key(r)[:2] == cut]
+        cut = merit(keep[-1])
+        keep += [r for r in ok[len(keep) :] if merit(r) == cut]
     return [r["trial"] for r in keep]
 
 
@@ -185,8 +242,51 @@ def _train_command(plan: SweepPlan, ovr: list[str]) -> str:
     return shlex.join(["ampctl", "train", *ovr, *cd])
 
 
-def recommend(plan: SweepPlan, rows: list[dict[str, Any]], ranking: list[str]) -> dict | None:
-    """The best trial that ran the full steps, as ``ampctl train`` overrides ready to paste."""
+def tie_info(
+    rows: list[dict[str, Any]], best: dict[str, Any], target: float | None = None
+) -> dict[str, Any]:
+    """Who ``best`` (rank 1) tied with and how the tie was broken: ``tied`` (names, best first,
+    ``best`` included; one name: no tie), ``rule`` (the :func:`closeness` rule that put ``best``
+    first: ``"s_star"``, ``"default_init_scale"``, ``"default_growth_interval"``, ``"order"``, or
+    None without a tie), ``target`` (the init_scale the first rule aimed at) and ``unscaled``:
+    the fp16 trials without loss scaling that were as good on loss (same gap step) but ranked
+    after the scaled ones."""
+    peers = sorted(
+        (r for r in rows if r.get("rank") is not None and r.get("rung") == best.get("rung")),
+        key=lambda r: r["rank"],
+    )
+    m = merit(best)
+    tied = [r for r in peers if merit(r) == m]
+    unscaled_too = [
+        r["trial"] for r in peers if r is not best and unscaled(r) and merit(r)[0] == m[0]
+    ]
+    aim = target if target is not None and math.isfinite(target) and target > 0 else None
+    rule = None
+    if len(tied) > 1:
+        a, b = closeness(tied[0], aim), closeness(tied[1], aim)
+        i = next((i for i in range(len(a)) if a[i] != b[i]), None)
+        rule = (
+            "order" if i is None else ("s_star", "default_init_scale", "default_growth_interval")[i]
+        )
+        if rule == "s_star" and aim is None:
+            rule = "default_init_scale"
+    return {
+        "tied": [r["trial"] for r in tied],
+        "rule": rule,
+        "target": aim if aim is not None else DEFAULT_INIT_SCALE,
+        "target_source": "s_star" if aim is not None else "default",
+        "unscaled": unscaled_too,
+    }
+
+
+def recommend(
+    plan: SweepPlan,
+    rows: list[dict[str, Any]],
+    ranking: list[str],
+    target: float | None = None,
+) -> dict | None:
+    """The best trial that ran the full steps, as ``ampctl train`` overrides ready to paste,
+    with :func:`tie_info` (``target``: the init_scale ties were broken towards)."""
     by_name = {r["trial"]: r for r in rows}
     best = by_name[ranking[0]] if ranking else None
     if best is None or best["status"] != "ok" or (best.get("rung") or 0) != plan.top_rung:
@@ -198,7 +298,19 @@ def recommend(plan: SweepPlan, rows: list[dict[str, Any]], ranking: list[str]) -
     for k in SCALE_KEYS:
         if not any(bare(t.split("=", 1)[0]) == k for t in ovr):
             ovr.append(f"{k}={fmt_value(getattr(trial.cfg.scaler, k.split('.')[1]))}")
-    return {"trial": trial.name, "overrides": ovr, "command": _train_command(plan, ovr)}
+    return {
+        "trial": trial.name,
+        "overrides": ovr,
+        "command": _train_command(plan, ovr),
+        "tie": tie_info(rows, best, target),
+    }
+
+
+def scale_target(plan: SweepPlan, rows: list[dict[str, Any]]) -> float | None:
+    """The init_scale a tie is broken towards: :func:`s_star`'s recommended init_scale from the
+    ranked trials' gradients (rows after :func:`finalize_rows`), None when none was logged."""
+    s = s_star(plan, rows, None)
+    return None if s is None else float(s["init_scale"])
 
 
 def s_star(

@@ -10,6 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from ampctl.ui.display import fmt_float, fmt_loss, fmt_pct, fmt_scale
 
@@ -59,12 +60,13 @@ def sweep_table(
     for i, r in enumerate(order, 1):
         base = r["kind"] == "baseline"
         first = "base" if base else (str(r["rank"] or "-") if ranked else str(i))
-        cells = [
+        cells: list[str | Text] = [
             first,
             (plan.baseline or "-") if base else _num(r["init_scale"], fmt_value),
             _num(r["growth_interval"], fmt_value),
         ]
-        cells += [str(r[k]) if r.get(k) is not None else "-" for k in plan.extra_keys]
+        # swept values as the user wrote them (a list value's "[...]" is not rich markup)
+        cells += [Text(str(r[k])) if r.get(k) is not None else "-" for k in plan.extra_keys]
         if halving:
             cells.append(f"{r.get('rung') or 0}/{plan.top_rung}")
         cells += [

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ampctl.runlog import atomic_write_text, is_finite_number
-from ampctl.ui.display import fmt_float, fmt_scale
+from ampctl.ui.display import fmt_scale
 
 from .plan import SweepPlan
-from .rank import GAP_TIE, rank_key
+from .rank import GAP_TIE
 from .trial import plan_columns
 
 __all__ = [
@@ -146,31 +146,53 @@ def _problem_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+_TIE_RULES = {
+    "s_star": "the init_scale closest (in powers of two) to the data-driven estimate {target} "
+    "(S*, below)",
+    "default_init_scale": "the init_scale closest (in powers of two) to the conventional default "
+    "65536 (2^16){why}",
+    "default_growth_interval": "the growth_interval closest to the conventional default 2000",
+    "order": "the plan's order (they are equal on every rule)",
+}
+
+
+def _tie_lines(tie: dict[str, Any] | None) -> list[str]:
+    """What the recommendation tied with and the rule that broke the tie (never speed)."""
+    if not tie:
+        return []
+    out = []
+    tied, rule = tie.get("tied") or [], tie.get("rule")
+    if len(tied) > 1 and rule in _TIE_RULES:
+        if rule == "default_init_scale" and tie.get("target_source") == "s_star":
+            why = " (equally close to the S* estimate)"
+        elif rule == "default_init_scale":
+            why = " (no S* estimate: no fp16 gradients were logged)"
+        else:
+            why = ""
+        how = _TIE_RULES[rule].format(target=fmt_scale(tie.get("target")), why=why)
+        out.append(
+            f"  Tie: {len(tied)} trials are equal on loss (gap in whole {GAP_TIE:.1%} steps) and "
+            f"skipped steps ({', '.join(tied)}); broken by {how}, not by steps/s (machine load)"
+        )
+    for name in tie.get("unscaled") or []:
+        out.append(
+            f"  {name} (fp16 without loss scaling) is as good on loss here, but is recommended "
+            "only when strictly best on loss"
+        )
+    return out
+
+
 def _recommendation_lines(result: SweepResult) -> list[str]:
     rec = result.recommendation
     if rec is None:
         return ["No trial finished the full steps ok: nothing to recommend. See the reasons above."]
     row = next(r for r in result.rows if r["trial"] == rec["trial"])
-    out = [
+    return [
         f"Recommended: {rec['trial']} (gap {gap_text(row['loss_gap'])} vs {row['reference']}, "
-        f"{row['skipped']} skipped, {fmt_float(row['steps_per_s'], 3)} steps/s):",
+        f"{row['skipped']} skipped):",
         "  " + rec["command"],
+        *_tie_lines(rec.get("tie")),
     ]
-    ties = [
-        r
-        for r in result.rows
-        if r["rank"] is not None
-        and r.get("rung") == row.get("rung")
-        and rank_key(r)[:2] == rank_key(row)[:2]
-    ]
-    if len(ties) > 1:
-        speeds = [float(r["steps_per_s"]) for r in ties if is_finite_number(r.get("steps_per_s"))]
-        out.append(
-            f"  ({len(ties)} trials tie on loss gap (whole {GAP_TIE:.1%} steps) and skipped steps; "
-            f"steps/s orders them ({fmt_float(min(speeds), 3)}-{fmt_float(max(speeds), 3)} here, "
-            "which also moves with machine load): any of them is as good for the loss)"
-        )
-    return out
 
 
 def _s_star_lines(s: dict[str, Any] | None) -> list[str]:

@@ -1,4 +1,4 @@
-"""The precision plugin interface and the factory: exemptions, casts, hooks, state, errors."""
+"""The precision plugin interface and the factory: fp32 modules, casts, hooks, state, errors."""
 
 from __future__ import annotations
 
@@ -126,10 +126,10 @@ def test_a_plugin_owns_a_scaler_enabled_when_its_precision_scales(cls, enabled, 
     assert p.fp32_modules == ["a", "b"] and p.device_type == "cpu"
     assert isinstance(p.scaler, LossScaler) and p.scaler.is_enabled() is enabled
     assert p.autocast_enabled is autocast
-    assert p.exempted == [] and p.master is None
+    assert p.in_fp32 == [] and p.master is None
     own = LossScaler(init_scale=8.0)
     assert cls(scaler=own).scaler is own
-    assert repr(p) == f"{cls.__name__}(exempted=[])"
+    assert repr(p) == f"{cls.__name__}(in_fp32=[])"
 
 
 def test_autocast_context_per_precision():
@@ -140,36 +140,36 @@ def test_autocast_context_per_precision():
             assert (x @ x).dtype == dtype
 
 
-def test_prepare_exempts_the_matches_and_release_undoes_it():
+def test_prepare_moves_the_matches_to_fp32_and_release_undoes_it():
     net = Net()
     p = FP16Precision(fp32_modules=["emb"])
     assert p.prepare(net) is net
-    assert p.exempted == ["emb"]
+    assert p.in_fp32 == ["emb"]
     x = torch.randn(3, 4)
     d = _dtypes(net, p, x)
     assert d["emb"] == torch.float32 and d["body.0"] == torch.float16
-    assert repr(p) == "FP16Precision(exempted=['emb'])"
-    assert p.state_dict() == {"name": "fp16", "exempted": ["emb"]}
+    assert repr(p) == "FP16Precision(in_fp32=['emb'])"
+    assert p.state_dict() == {"name": "fp16", "in_fp32": ["emb"]}
     net.body.half()
     assert p.release(net) == ["emb"]
-    assert p.exempted == [] and "forward" not in net.emb.__dict__
+    assert p.in_fp32 == [] and "forward" not in net.emb.__dict__
     assert all(q.dtype == torch.float32 for q in net.parameters())  # released models are fp32
     assert _dtypes(net, p, x)["emb"] == torch.float16
 
 
-def test_exempt_refuses_twice_and_inside_an_exempted_module():
+def test_to_fp32_refuses_twice_and_inside_a_module_in_fp32():
     net = Net()
     p = FP16Precision()
-    assert p.exempt(net, "body") is True
-    assert p.exempt(net, "body") is False
-    assert p.exempt(net, "body.0") is False
-    assert p.exempt(net, "emb") is True  # a name that starts like another is not inside it
-    assert p.exempted == ["body", "emb"]
+    assert p.to_fp32(net, "body") is True
+    assert p.to_fp32(net, "body") is False
+    assert p.to_fp32(net, "body.0") is False
+    assert p.to_fp32(net, "emb") is True  # a name that starts like another is not inside it
+    assert p.in_fp32 == ["body", "emb"]
     assert net.body.forward.__wrapped__ == Net().body.__class__.forward.__get__(net.body)
     assert net.body.forward.__name__ == "forward"
 
 
-def test_unexempt_restores_an_instance_forward():
+def test_undo_fp32_restores_an_instance_forward():
     net = Net()
     mine = net.emb.forward
 
@@ -178,15 +178,15 @@ def test_unexempt_restores_an_instance_forward():
 
     net.emb.forward = custom
     p = FP16Precision()
-    p.exempt(net, "emb")
+    p.to_fp32(net, "emb")
     assert net.emb.forward is not custom
     x = torch.randn(1, 4)
     with p.autocast():
         assert net.emb(x).dtype == torch.float32
-    p.unexempt(net, "emb")
-    assert net.emb.forward is custom and p.exempted == []
-    p.exempt(net, "body")
-    p.unexempt(net, "body")
+    p.undo_fp32(net, "emb")
+    assert net.emb.forward is custom and p.in_fp32 == []
+    p.to_fp32(net, "body")
+    p.undo_fp32(net, "body")
     assert "forward" not in net.body.__dict__
 
 
@@ -272,3 +272,20 @@ def test_precision_config_names_the_allowed_precisions():
         "PrecisionConfig: name='fp12' is not allowed: name must be one of fp32, bf16, fp16, "
         "fp16-pure, fp8 (select with precision=NAME)"
     )
+
+
+def test_a_checkpoint_of_ampctl_0_2_names_its_fp32_modules_under_the_old_key():
+    from ampctl.amp.precision import saved_in_fp32
+
+    net = Net()
+    p = FP16Precision()
+    p.to_fp32(net, "emb")
+    assert p.state_dict() == {"name": "fp16", "in_fp32": ["emb"]}
+    assert saved_in_fp32(p.state_dict()) == ["emb"]
+    assert saved_in_fp32({"name": "fp16", "exempted": ["emb", "body"]}) == ["emb", "body"]
+    assert saved_in_fp32({"name": "fp16"}) == []
+    # and code written against the old names still works
+    q = FP16Precision()
+    assert q.exempt(net, "body") is True and q.exempted == ["body"] == q.in_fp32
+    q.unexempt(net, "body")
+    assert q.in_fp32 == []

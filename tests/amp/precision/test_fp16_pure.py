@@ -89,7 +89,7 @@ def test_to_model_makes_the_masters_the_weights():
     assert model.a.weight.data_ptr() != mw.params[0].data_ptr()  # a copy, not the master
 
 
-def test_prepare_halves_the_model_but_not_the_exempted_modules():
+def test_prepare_halves_the_model_but_not_the_fp32_modules():
     model = Tied()
     p = FP16PurePrecision(fp32_modules=["norm"])
     assert p.master is None
@@ -121,15 +121,15 @@ def test_hooks_move_grads_and_weights_and_promotion_keeps_the_pairs():
     p.zero_grad()
     assert masters["a.weight"].grad is None
     # promotion after prepare: the module turns fp32 in place, its master stays paired
-    assert p.exempt(model, "a") is True
+    assert p.to_fp32(model, "a") is True
     assert model.a.weight.dtype == torch.float32
     assert p.master.pairs[0][0] is model.a.weight
 
 
-def test_exempting_before_prepare_leaves_parameters_alone():
+def test_to_fp32_before_prepare_leaves_parameters_alone():
     model = Tied()
     p = FP16PurePrecision()
-    p.exempt(model, "a")
+    p.to_fp32(model, "a")
     assert model.a.weight.dtype == torch.float32 and p.master is None
     p.zero_grad()
     p.after_backward()

@@ -1,4 +1,4 @@
-"""PrecisionPolicy: autocast dtypes, fp32 exemptions, fp16-pure master weights, attribution."""
+"""make_precision: autocast dtypes, fp32 modules, fp16-pure master weights, attribution."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.amp import LossScaler, PrecisionPolicy, match_modules, nonfinite_grad_names
+from ampctl.amp import LossScaler, Precision, make_precision, match_modules, nonfinite_grad_names
 
 
 class Block(nn.Module):
@@ -21,7 +21,7 @@ class Block(nn.Module):
         return self.head(self.dense(self.LayerNorm(self.embeddings(x))))
 
 
-def _outputs(model: nn.Module, policy: PrecisionPolicy, x: torch.Tensor) -> dict[str, torch.dtype]:
+def _outputs(model: nn.Module, policy: Precision, x: torch.Tensor) -> dict[str, torch.dtype]:
     seen: dict[str, torch.dtype] = {}
     hooks = [
         m.register_forward_hook(lambda mod, inp, out, n=n: seen.__setitem__(n, out.dtype))
@@ -35,26 +35,26 @@ def _outputs(model: nn.Module, policy: PrecisionPolicy, x: torch.Tensor) -> dict
     return seen
 
 
-def test_fp32_exempt_module_outputs_fp32_others_fp16():
+def test_fp32_module_outputs_fp32_others_fp16():
     model = Block()
-    policy = PrecisionPolicy(name="fp16", fp32_modules=["*embeddings*"])
+    policy = make_precision("fp16", fp32_modules=["*embeddings*"])
     policy.prepare(model)
     dtypes = _outputs(model, policy, torch.randn(2, 8))
     assert dtypes["embeddings"] == torch.float32
     assert dtypes["dense"] == torch.float16
     assert dtypes["head"] == torch.float16
-    assert policy.exempted == ["embeddings"]
+    assert policy.in_fp32 == ["embeddings"]
 
 
-def test_exemption_casts_fp16_inputs_up_and_can_be_undone():
+def test_to_fp32_casts_fp16_inputs_up_and_can_be_undone():
     model = Block()
-    policy = PrecisionPolicy(name="fp16")
+    policy = make_precision("fp16")
     policy.prepare(model)
     assert _outputs(model, policy, torch.randn(2, 8))["dense"] == torch.float16
-    assert policy.exempt(model, "dense")
-    assert not policy.exempt(model, "dense")
+    assert policy.to_fp32(model, "dense")
+    assert not policy.to_fp32(model, "dense")
     assert _outputs(model, policy, torch.randn(2, 8))["dense"] == torch.float32
-    policy.unexempt(model, "dense")
+    policy.undo_fp32(model, "dense")
     assert _outputs(model, policy, torch.randn(2, 8))["dense"] == torch.float16
 
 
@@ -78,7 +78,7 @@ def test_match_modules_keeps_outermost_only():
     ],
 )
 def test_policy_properties(name, dtype, scaler):
-    p = PrecisionPolicy(name=name)
+    p = make_precision(name)
     assert p.compute_dtype == dtype and p.needs_scaler == scaler
     assert p.param_dtype == (torch.float16 if name == "fp16-pure" else torch.float32)
 
@@ -87,13 +87,13 @@ def test_unknown_precision_is_refused():
     with pytest.raises(
         ValueError, match="precision: 'fp4' is not one of fp32, bf16, fp16, fp16-pure, fp8"
     ):
-        PrecisionPolicy(name="fp4")
+        make_precision("fp4")
 
 
 def test_fp16_pure_trains_with_fp32_masters_and_skips_overflow():
     torch.manual_seed(0)
     model = Block()
-    policy = PrecisionPolicy(name="fp16-pure", fp32_modules=["LayerNorm"])
+    policy = make_precision("fp16-pure", fp32_modules=["LayerNorm"])
     policy.prepare(model)
     assert model.dense.weight.dtype == torch.float16
     assert model.LayerNorm.weight.dtype == torch.float32
@@ -131,9 +131,9 @@ def test_fp16_pure_trains_with_fp32_masters_and_skips_overflow():
 
 def test_fp16_pure_promotion_turns_module_to_fp32():
     model = Block()
-    policy = PrecisionPolicy(name="fp16-pure")
+    policy = make_precision("fp16-pure")
     policy.prepare(model)
-    policy.exempt(model, "dense")
+    policy.to_fp32(model, "dense")
     assert model.dense.weight.dtype == torch.float32
     with policy.autocast():
         out = model(torch.randn(2, 8))

@@ -52,7 +52,7 @@ def test_prepare_converts_the_plan_and_keeps_the_reasons_for_the_rest():
         "b.1": "dims 32x24 are not multiples of 16",
         "lm_head": "excluded by pattern '*lm_head*'",
     }
-    assert p.exempted == ["b"] and p.demoted == {}
+    assert p.in_fp32 == ["b"] and p.demoted == {}
     assert p.compute_dtype == torch.bfloat16 and not p.scaler.is_enabled()
     s = p.summary(model)
     assert s == {
@@ -67,21 +67,21 @@ def test_prepare_converts_the_plan_and_keeps_the_reasons_for_the_rest():
     assert torch.isfinite(loss) and model.a[0].weight.grad is not None
 
 
-def test_exempting_a_module_demotes_its_fp8_layers_first():
+def test_moving_a_module_to_fp32_demotes_its_fp8_layers_first():
     model = Net()
     p = _plugin()
     p.prepare(model)
     params = {n: q for n, q in model.named_parameters()}
     assert p.demotable(model) == ["a.0", "a.2", "b.0"]
     assert p.demotable(model, "a") == ["a.0", "a.2"] and p.demotable(model, "a.2") == ["a.2"]
-    assert p.exempt(model, "a")
+    assert p.to_fp32(model, "a")
     assert fp8.converted_layers(model) == ["b.0"]
     assert p.demoted == {n: "inside 'a', which now runs in fp32" for n in ("a.0", "a.2")}
     assert all(q is params[n] for n, q in model.named_parameters())  # same Parameters
-    assert not p.exempt(model, "a.0")  # already covered by 'a'
+    assert not p.to_fp32(model, "a.0")  # already covered by 'a'
     with p.autocast():
         out = model.a(torch.randn(2, 32))
-    assert out.dtype == torch.float32  # the fp32 exemption is in force on the demoted layers
+    assert out.dtype == torch.float32  # the fp32 module is in fp32 on the demoted layers
     assert not p.demote(model, "a.0", "again") and not p.demote(model, "nope", "x")
 
 

@@ -178,6 +178,14 @@ def kinds(report: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- planted faults
+def test_a_run_folder_from_before_events_jsonl_was_always_written_reads_alike(base_run, run_copy):
+    assert (base_run / "events.jsonl").read_text() == ""  # written at the start, empty
+    (run_copy / "events.jsonl").unlink()  # as older runs without events left them
+    old, new = diagnose(run_copy, batches=1), diagnose(base_run, batches=1)
+    assert old["healthy"] is True and old["problems"] == []
+    assert {**old["history"], "run_dir": None} == {**new["history"], "run_dir": None}
+
+
 def test_nan_weight_is_named_and_an_older_checkpoint_is_recommended(run_copy):
     name = "bert_mlm.bert.encoder.layer.1.attention.self.query.weight"
 

@@ -16,7 +16,7 @@ from ampctl.integrations import LoopInfo, ProtectedRun
 from ampctl.protect.protection import TrainAborted
 from ampctl.runlog import RunLayout
 from ampctl.train.checkpoint import save_checkpoint
-from ampctl.train.data import SyntheticMLM
+from ampctl.train.data import SyntheticSource
 from ampctl.train.models import BertForMaskedLM
 
 from .conftest import diagnose_cli, kinds, problem
@@ -28,7 +28,7 @@ STEPS = 10
 def _loop(run_dir: Path, *, guard=None, config=None, save_at: int | None = None) -> Path:
     """A plain fp16 loop under ProtectedRun (the README's own-loop pattern), tiny."""
     torch.manual_seed(0)
-    data = SyntheticMLM(vocab_size=64, seq_len=16, batch_size=4)
+    data = SyntheticSource(vocab_size=64, seq_len=16, batch_size=4)
     model = BertForMaskedLM(
         vocab_size=64, max_position=16, hidden_size=32, num_layers=1, num_heads=2, ffn_size=64,
         dropout=0.0, attn_impl="eager",

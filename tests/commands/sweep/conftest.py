@@ -13,6 +13,9 @@ from tests.conftest import FAST
 
 STEPS = 8
 PLANTED = "model._target_=tests.commands.sweep.planted.Planted"
+# every trial process would end by drawing its own plot.png (matplotlib: ~2 s of CPU a process);
+# no sweep test reads it, and the sweep's results and figure read metrics.jsonl
+NO_PLOT = "logging.plot=false"
 
 
 def run_sweep_here(runs: Path, *overrides: str, **kw):
@@ -24,7 +27,7 @@ def run_sweep_here(runs: Path, *overrides: str, **kw):
     # reductions, so their losses are bit-identical (two threads would reorder the sums)
     kw.setdefault("threads", 1)
     kw.setdefault("steps", STEPS)
-    result = sweep([*FAST, f"trainer.runs_dir={runs}", *overrides], console=console, **kw)
+    result = sweep([*FAST, f"trainer.runs_dir={runs}", NO_PLOT, *overrides], console=console, **kw)
     return result, buf.getvalue()
 
 

@@ -31,9 +31,9 @@ def test_halving_promotes_the_best_and_resumes_it_from_its_checkpoint(tmp_path):
     rows = {r["trial"]: r for r in doc["trials"]}
     big, small = "init_scale=16777216", "init_scale=1024"
 
-    # 1) the promoted set: the best 1/ETA of rung 0 by the ranking (gap step, skipped, speed)
+    # 1) the promoted set: the best 1/ETA of rung 0 by the ranking's merit (gap step, skipped)
     def key(r):
-        return (math.floor(max(r["loss_gap"], 0) / 1e-3 + 1e-6), r["skipped"], -r["steps_per_s"])
+        return (math.floor(max(r["loss_gap"], 0) / 1e-3 + 1e-6), r["skipped"])
 
     best = min((r for r in rung0.values() if r["kind"] == "trial"), key=key)["trial"]
     assert doc["rungs"] == [{"rung": 0, "steps": 4, "trials": 2, "promoted": [best]}]

@@ -19,8 +19,9 @@ from ampctl.commands.sweep.rank import recommend, s_star, select_promoted
 from tests.conftest import FAST
 
 
-def _row(name, loss, skipped=0, speed=10.0, kind="trial", status="ok", rung=0, steps=8):
+def _row(name, loss, skipped=0, speed=10.0, kind="trial", status="ok", rung=0, steps=8, **more):
     return {
+        **more,
         "trial": name,
         "kind": kind,
         "status": status,
@@ -50,7 +51,8 @@ def test_finalize_rows_gaps_divergence_and_ranking():
     groups = {r["trial"]: "base" for r in rows if r["kind"] == "trial"}
     ranking = finalize_rows(rows, 0.10, groups)
     by = {r["trial"]: r for r in rows}
-    assert ranking == ["c", "b", "a", "d"]
+    # b and c tie (both below the baseline, 1 skip): the faster c does not jump ahead of b
+    assert ranking == ["b", "c", "a", "d"]
     assert [by[n]["rank"] for n in ranking] == [1, 2, 3, 4]
     assert by["d"]["loss_gap"] == pytest.approx(0.05) and by["d"]["reference"] == "base"
     assert by["e"]["status"] == "diverged" and by["e"]["rank"] is None

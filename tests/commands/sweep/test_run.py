@@ -18,7 +18,7 @@ from ampctl.amp.formats import ideal_scale, recommended_init_scale
 from ampctl.cli import app
 from ampctl.commands.sweep import COLUMNS, sweep
 from ampctl.config import ConfigError
-from tests.commands.sweep.conftest import PLANTED, STEPS, run_sweep_here
+from tests.commands.sweep.conftest import NO_PLOT, PLANTED, STEPS, run_sweep_here
 from tests.conftest import FAST, read_jsonl
 
 GRID = ("scaler.init_scale=1024,65536", "scaler.growth_interval=2,1000")
@@ -82,15 +82,26 @@ def test_grid_writes_one_row_per_trial_with_all_columns(grid):
         assert r["loss_gap"] == (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
         if r["skipped"] == 0:  # clean run: the scale doubled every growth_interval steps
             assert r["final_scale"] == r["init_scale"] * 2 ** (STEPS // r["growth_interval"])
-    # the ranking follows (gap in whole 0.1% steps, skipped, -steps/s)
+    # the ranking follows (gap in whole 0.1% steps, unscaled, skipped), then the tie break
+    # towards the S* estimate's init_scale, then growth_interval 2000 -- never steps/s
     ranked = sorted(doc["trials"][1:], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranked] == [1, 2, 3, 4]
     assert doc["ranking"] == [r["trial"] for r in ranked]
+    target = doc["s_star"]["init_scale"]
     keys = [
-        (math.floor(max(r["loss_gap"], 0) / 1e-3 + 1e-6), r["skipped"], -r["steps_per_s"])
+        (
+            math.floor(max(r["loss_gap"], 0) / 1e-3 + 1e-6),
+            r["skipped"],
+            abs(math.log2(r["init_scale"] / target)),
+            abs(math.log2(r["init_scale"] / 65536)),
+            abs(math.log2(r["growth_interval"] / 2000)),
+        )
         for r in ranked
     ]
     assert keys == sorted(keys)
+    tie = doc["recommendation"]["tie"]
+    assert tie["tied"][0] == ranked[0]["trial"] and tie["target"] == target
+    assert (len(tie["tied"]) > 1) == (f"  Tie: {len(tie['tied'])} trials are equal" in out)
     best = ranked[0]
     cmd = f"scaler.init_scale={int(best['init_scale'])} scaler.growth_interval={best['growth_interval']}"
     assert doc["recommendation"]["command"].startswith("ampctl train trainer.max_steps=12 ")
@@ -261,12 +272,17 @@ def test_bad_launcher_options_exit_2_with_one_line(tmp_path, args, line):
 def test_resume_with_other_settings_is_refused(grid):
     runs, _, _ = grid
     with pytest.raises(ConfigError) as e:
-        sweep([*FAST, f"trainer.runs_dir={runs}", *GRID], steps=STEPS + 1, name="g", mode="quiet")
+        sweep(
+            [*FAST, f"trainer.runs_dir={runs}", NO_PLOT, *GRID],
+            steps=STEPS + 1,
+            name="g",
+            mode="quiet",
+        )
     assert str(e.value).startswith("--name g: trial baseline-fp32 in ") and str(e.value).endswith(
         "was run with trainer.max_steps=8, this sweep gives trainer.max_steps=9; re-run it with the "
         "same overrides and --steps, or pick another --name"
     )
     with pytest.raises(ConfigError, match=r"^--name g: this sweep was run with no --halving; give"):
-        sweep([*FAST, f"trainer.runs_dir={runs}", *GRID], steps=STEPS, name="g", halving=2)
+        sweep([*FAST, f"trainer.runs_dir={runs}", NO_PLOT, *GRID], steps=STEPS, name="g", halving=2)
     with pytest.raises(ConfigError, match=r"^--jobs 0: give an integer >= 1$"):
         sweep([*FAST], jobs=0, mode="quiet")

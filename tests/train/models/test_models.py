@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ampctl.train.data import IGNORE_INDEX, MASK_ID, SyntheticMLM
+from ampctl.train.data import IGNORE_INDEX, MASK_ID, SyntheticSource
 from ampctl.train.models import BertForMaskedLM, MaskedLMOutput
 
 VOCAB = 128
@@ -239,7 +239,7 @@ def test_tiny_model_learns_synthetic_mlm() -> None:
         max_position=32,
         dropout=0.0,
     )
-    data = SyntheticMLM(vocab_size=128, seq_len=32, batch_size=16, seed=0, branching=2)
+    data = SyntheticSource(vocab_size=128, seq_len=32, batch_size=16, seed=0, branching=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(150):
         loss = model(**data.next_batch()).loss

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ampctl.amp.precision import saved_in_fp32
 from ampctl.runlog import RunLayout, RunRecord, is_run_dir
 from ampctl.runlog.layout import CHECKPOINT_NAME, list_checkpoints
 from ampctl.runlog.readers import load_config_text
@@ -150,7 +151,7 @@ def read_loaded(ck: dict[str, Any], ckpt: Path, *, given: Path | None = None) ->
         scaler_kind="ampctl",
         precision=prec.get("name") or _saved(config, "precision", "name") or "fp32",
         precision_source="checkpoint",
-        fp32_modules=[str(m) for m in prec.get("exempted", [])],
+        fp32_modules=saved_in_fp32(prec),
         config=config,
         raw=ck,
     )

@@ -41,6 +41,7 @@ from .rank import (
     live_divergence,
     recommend,
     s_star,
+    scale_target,
     select_promoted,
 )
 from .render import View, print_report
@@ -146,6 +147,7 @@ class SweepRun:
         self.result = SweepResult(plan=plan, rows=[], ranking=[], recommendation=None, s_star=None)
         self.result.launcher = launcher.name
         self._last_watch = 0.0
+        self.target: float | None = None  # the init_scale ties are broken towards (S*)
 
     # ------------------------------------------------------------------ the story
     def run(self) -> SweepResult:
@@ -209,7 +211,7 @@ class SweepRun:
         self.refresh()
         n_next = max(1, len(entering) // (self.plan.halving or 1))
         rung_rows = [self.rows[t.name] for t in entering]
-        promoted = select_promoted(rung_rows, n_next)
+        promoted = select_promoted(rung_rows, n_next, self.target)
         for r in rung_rows:
             if r["trial"] in promoted:
                 _mark(r, "pending", f"promoted to rung {k + 1}")
@@ -503,15 +505,23 @@ class SweepRun:
         res, plan = self.result, self.plan
         res.rows = [self.rows[t.name] for t in plan.trials]
         done = [r for r in res.rows if r["status"] not in ("pending", "running")]
-        res.ranking = finalize_rows(
-            done,
-            self.diverge_gap,
-            self.groups,
-            references=self.references(),
-            stop_gap=self.stop_gap,
-            top_rung=plan.top_rung,
-        )
-        res.recommendation = recommend(plan, res.rows, res.ranking)
+        refs = self.references()
+
+        def rank(target: float | None) -> list[str]:
+            return finalize_rows(
+                done,
+                self.diverge_gap,
+                self.groups,
+                references=refs,
+                stop_gap=self.stop_gap,
+                top_rung=plan.top_rung,
+                target=target,
+            )
+
+        rank(None)  # statuses and gaps first: the S* estimate reads the ranked trials
+        self.target = scale_target(plan, res.rows)
+        res.ranking = rank(self.target)
+        res.recommendation = recommend(plan, res.rows, res.ranking, self.target)
         res.s_star = s_star(plan, res.rows, res.recommendation)
         write_results(res, self.diverge_gap)
         self.view.refresh(res.rows)
