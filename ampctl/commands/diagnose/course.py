@@ -92,6 +92,15 @@ class Departure:
     never_improved: bool  # the loss had not fallen below its first value before it rose
     lr_at_min: float | None = None
     lr_at_step: float | None = None
+    #: the highest lr logged from the lowest row to the loss's peak, and its step
+    lr_peak: float | None = None
+    lr_peak_step: int | None = None
+    lr_back: float | None = None  # the lr at the row where it came back
+
+    @property
+    def lr_rose(self) -> bool:
+        """The lr grew (a warmup) between the loss's lowest row and its peak."""
+        return bool(self.lr_at_min and self.lr_peak and self.lr_peak > 1.05 * self.lr_at_min)
 
 
 @dataclass
@@ -189,6 +198,9 @@ def _departure(
             break
     until = [x for x in vals[i:] if back is None or x.step < back]
     peak = max(until, key=lambda x: x.loss)
+    lrs = [x for x in vals[low:] if x.step <= peak.step and x.learning_rate is not None]
+    top = max(lrs, key=lambda x: x.learning_rate, default=None)
+    at_back = next((x.learning_rate for x in vals if x.step == back), None)
     return Departure(
         step=r.step,
         last_good_step=(on_course or vals[:1])[-1].step,
@@ -202,6 +214,9 @@ def _departure(
         never_improved=never,
         lr_at_min=vals[low].learning_rate,
         lr_at_step=r.learning_rate,
+        lr_peak=top.learning_rate if top is not None else None,
+        lr_peak_step=top.step if top is not None else None,
+        lr_back=at_back,
     )
 
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from .common import STATE_KINDS
-from .course import STORM_MIN, CheckpointFacts, Course, diverged, run_course
+from .course import STORM_MIN, CheckpointFacts, Course, Departure, diverged, run_course
 from .stages import (
     CheckpointHealth,
     Episode,
@@ -84,10 +84,11 @@ def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[floa
     """How much to lower the learning rate, from the history (a factor, and why):
 
     * the guard's ``divergence`` event with an ``lr_factor``: that factor;
-    * the lr was still rising (warmup) when the loss left its course: down to the lr at which
-      the loss was lowest (the last lr that worked), at least 2x;
-    * the loss rose from the first updates, before it ever fell: 10x (and a warmup);
-    * it fell first and rose later: 2x (and clipping)."""
+    * the loss rose from the first updates, before it ever fell: 10x (and a warmup), in a
+      warmup too (no lr is known to have worked: its lowest row is where it started);
+    * the loss fell while a warmup raised the lr and rose once the lr grew past the lr of its
+      lowest row (the last lr that worked): down to that lr, at least 2x;
+    * it fell first and rose later at the same lr: 2x (and clipping)."""
     ev = next((e for e in _events(h, "divergence") if _number(e.data.get("lr_factor"))), None)
     if ev is not None:
         f = float(ev.data["lr_factor"])
@@ -99,17 +100,25 @@ def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[floa
         if stop is None:
             return None
         return 2.0, f"the guard's divergence rule found the loss diverging at step {stop.step}"
-    if d.lr_at_min and d.lr_at_step and d.lr_at_step > 1.05 * d.lr_at_min:
+    if d.never_improved:  # no lr is known to have worked: far too high, even in a warmup
+        grew = f", {_lr_grew(d)}" if d.lr_rose else ""
+        return (
+            10.0,
+            f"the loss rose from the first updates, before it ever fell{grew}: far too high",
+        )
+    if d.lr_rose:
         rows = h.rows if h is not None else []
-        peak = max([lr or 0.0, d.lr_at_step, *(r.learning_rate or 0.0 for r in rows)])
+        peak = max([lr or 0.0, d.lr_peak, *(r.learning_rate or 0.0 for r in rows)])
         f = max(2.0, peak / d.lr_at_min)
         return f, (
             f"the loss was at its lowest while the lr was at most {d.lr_at_min:.3g} and rose as "
             f"the lr grew past it (lr {d.lr_at_step:.3g} at step {d.step})"
         )
-    if d.never_improved:
-        return 10.0, "the loss rose from the first updates, before it ever fell: far too high"
     return 2.0, "the loss fell for a while and then rose at the same learning rate"
+
+
+def _lr_grew(d: Departure) -> str:
+    return f"as the lr grew from {d.lr_at_min:.3g} to {d.lr_peak:.3g} (step {d.lr_peak_step})"
 
 
 def _number(x: object) -> bool:
@@ -143,12 +152,16 @@ def history_problems(
             None,
         )
         start = " at the first updates, before it ever fell" if d.never_improved else ""
+        if d.lr_rose:
+            start += f", {_lr_grew(d)}"
         if nxt is not None:
             tail = f", before the gradients went non-finite at step {nxt.start}"
         elif d.resolved_at is None:
             tail = ", and did not come back"
         else:
             tail = f", and was back at its level of step {d.min_step} only at step {d.resolved_at}"
+            if d.lr_rose and d.lr_back is not None and 1.05 * d.lr_back < d.lr_peak:
+                tail += f", the lr down to {d.lr_back:.3g}"
         problems.append(
             Problem(
                 "lr_divergence",

@@ -20,8 +20,8 @@ from ampctl.commands.diagnose.course import (
     run_course,
 )
 from ampctl.commands.diagnose.stages import (
-    OPTIONAL,
     INTERNAL,
+    OPTIONAL,
     GuardEvent,
     History,
     Problem,
@@ -44,7 +44,9 @@ def hist(losses=(), skipped=(), events=(), lr=None):
         source="run folder",
         rows=rows(losses, lr=lr),
         skipped_steps=list(skipped),
-        guard_events=[GuardEvent(step=e[0], kind=e[1], data=dict(e[2]) if len(e) > 2 else {}) for e in events],
+        guard_events=[
+            GuardEvent(step=e[0], kind=e[1], data=dict(e[2]) if len(e) > 2 else {}) for e in events
+        ],
     )
 
 
@@ -136,6 +138,13 @@ def test_the_lr_factor_comes_from_the_history():
     factor, why = lr_change(course, h, 0.3)
     assert course.departure.lr_at_min == 0.125 and course.departure.lr_at_step == 0.2
     assert factor == pytest.approx(0.3 / 0.125) and "lr was at most 0.125" in why
+    # the loss rose from its first row while a warmup raised the lr: no lr is known to have
+    # worked (the lowest row is where it started), far too high: 10x, the warmup named
+    h = hist([4.0, 4.6, 5.0, 5.4, 5.5, 5.6, 5.6], lr=[0.075, 0.15, 0.225, 0.3, 0.3, 0.29, 0.28])
+    course = run_course(h, None, [])
+    factor, why = lr_change(course, h, 0.3)
+    assert course.departure.never_improved and course.departure.lr_rose
+    assert factor == 10.0 and "as the lr grew from 0.075 to 0.3 (step 4)" in why
     # the guard's divergence rule said it: its factor
     h = hist([3.0] * 10, events=[(30, "divergence", {"action": "rollback", "lr_factor": 0.5})])
     assert lr_change(run_course(h, None, []), h, 1e-3)[0] == 2.0

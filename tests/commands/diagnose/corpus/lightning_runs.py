@@ -164,7 +164,9 @@ def callback_resumed(out: Path) -> Path:
         )  # fmt: skip
 
     loader = torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=False)
-    cb = AmpctlCallback(out / "run", log_every=4, precision="fp16", scaler=LossScaler(init_scale=4096.0))
+    cb = AmpctlCallback(
+        out / "run", log_every=4, precision="fp16", scaler=LossScaler(init_scale=4096.0)
+    )
     trainer(40, cb).fit(Module(), loader)
     (ckpt,) = (out / "ckpt").iterdir()
     resumed = AmpctlCallback(out / "run", log_every=4, precision="fp16")
