@@ -32,6 +32,7 @@ from .stages import (
     History,
     Problem,
     Replay,
+    Row,
     ScalerState,
     Verdict,
 )
@@ -83,23 +84,44 @@ class Judgement:
 def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[float, str] | None:
     """How much to lower the learning rate, from the history (a factor, and why):
 
-    * the guard's ``divergence`` event with an ``lr_factor``: that factor;
+    * the guard's divergence rule rolled back and cut the lr (an ``lr_factor``): down to the
+      highest lr the run went on clean at after it (the rows after the rollback), else that
+      factor;
+    * the guard's divergence rule stopped a run whose logged lr had risen since its lowest loss
+      (a schedule, a change): back to the lr of the lowest loss; else 2x;
     * the loss rose from the first updates, before it ever fell: 10x (and a warmup), in a
       warmup too (no lr is known to have worked: its lowest row is where it started);
     * the loss fell while a warmup raised the lr and rose once the lr grew past the lr of its
       lowest row (the last lr that worked): down to that lr, at least 2x;
-    * it fell first and rose later at the same lr: 2x (and clipping)."""
+    * it fell first and rose later at the same lr: 2x (and clipping).
+
+    ``lr``: the run's configured lr (the factor divides it)."""
+    rows = h.rows if h is not None else []
     ev = next((e for e in _events(h, "divergence") if _number(e.data.get("lr_factor"))), None)
     if ev is not None:
         f = float(ev.data["lr_factor"])
         f = 1 / f if f < 1 else f
-        return f, f"the guard's divergence rule lowered it {f:g}x at step {ev.step}"
+        why = f"the guard's divergence rule rolled back at step {_at(ev)} and cut it {f:g}x"
+        after = [r.learning_rate for r in rows if r.step > _at(ev) and _number(r.learning_rate)]
+        if after and _clean_end(course) and lr and lr > 1.05 * max(after):
+            return lr / max(after), f"{why}; the run went on clean at lr {max(after):.3g}"
+        return f, why
     d = course.departure
     if d is None:
         stop = next(iter(_events(h, "divergence")), None)
         if stop is None:
             return None
-        return 2.0, f"the guard's divergence rule found the loss diverging at step {stop.step}"
+        why = f"the guard's divergence rule stopped the run at step {stop.step}"
+        rose = _lr_rise(rows, stop)
+        if rose is not None:
+            low, high = rose
+            f = max(2.0, max(lr or 0.0, high.learning_rate) / low.learning_rate)
+            return f, (
+                f"{why}, after the lr rose from {low.learning_rate:.3g} (step {low.step}, its "
+                f"lowest loss {low.loss:.4g}) to {high.learning_rate:.3g} (step {high.step}): "
+                f"back to {low.learning_rate:.3g}"
+            )
+        return 2.0, why
     if d.never_improved:  # no lr is known to have worked: far too high, even in a warmup
         grew = f", {_lr_grew(d)}" if d.lr_rose else ""
         return (
@@ -115,6 +137,31 @@ def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[floa
             f"the lr grew past it (lr {d.lr_at_step:.3g} at step {d.step})"
         )
     return 2.0, "the loss fell for a while and then rose at the same learning rate"
+
+
+def _at(e: GuardEvent) -> int:
+    """The step a divergence event was found at (a rollback's event is written at the step it
+    restored, its ``from_step`` is where the rule fired)."""
+    at = e.data.get("from_step", e.step)
+    return int(at) if _number(at) else e.step
+
+
+def _lr_rise(rows: list[Row], stop: GuardEvent) -> tuple[Row, Row] | None:
+    """The row of the lowest loss logged before the divergence the guard stopped at, and the
+    row of the highest lr logged from it to the stop, when the lr rose more than 5% in between
+    (None: it did not, or no lr is logged)."""
+    upto = [r for r in rows if r.step <= stop.step and _number(r.learning_rate) and _fin(r.loss)]
+    since = stop.data.get("since")
+    before = [r for r in upto if not _number(since) or r.step <= since] or upto
+    if not before:
+        return None
+    low = min(before, key=lambda r: r.loss)
+    high = max((r for r in upto if r.step >= low.step), key=lambda r: r.learning_rate)
+    return (low, high) if high.learning_rate > 1.05 * low.learning_rate else None
+
+
+def _fin(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
 
 
 def _lr_grew(d: Departure) -> str:
@@ -365,12 +412,17 @@ def _event_text(e: GuardEvent) -> str | None:
             f"at step {e.step}{batch}{rank}"
         )
     if e.kind == "divergence":
-        ratio = d.get("ratio")
-        r = f" ({ratio:.3g}x its minimum)" if _number(ratio) else ""
+        ratio, low = d.get("ratio"), d.get("min_loss")
+        # the rule holds against the run's first loss too: then min_loss is that loss
+        than = "the loss it started from" if "started from" in e.message else "its lowest"
+        r = f" ({ratio:.3g}x {than}, {low:.4g})" if _number(ratio) and _number(low) else ""
         if d.get("action") == "rollback":
             f = d.get("lr_factor")
             lr = f", lr x{f:g}" if _number(f) else ""
-            return f"the loss diverged at step {e.step}{r}: rolled back{lr}"
+            to = f" to {d['to_step']}" if _number(d.get("to_step")) else ""
+            return f"the loss diverged at step {_at(e)}{r}: rolled back{to}{lr}"
+        if d.get("action") == "warn":
+            return f"the loss diverged at step {e.step}{r}: the guard warned"
         return f"the loss diverged at step {e.step}{r}: the guard stopped the run"
     return None
 
@@ -396,8 +448,7 @@ def _story(h: History | None, course: Course) -> list[str]:
         items.append((_events(h, "spike")[0].step, sp))
     for e in h.guard_events if h else []:
         if e.kind != "spike" and (t := _event_text(e)) is not None:
-            at = e.data.get("from_step", e.step) if e.kind == "rollback" else e.step
-            items.append((int(at) if _number(at) else e.step, t))
+            items.append((_at(e) if e.kind in ("rollback", "divergence") else e.step, t))
     discarded = [e.step for e in _events(h, "overflow") if e.data.get("discarded")]
     if discarded:
         items.append((discarded[0], f"{len(discarded)} overflow(s) on steps a rollback discarded"))

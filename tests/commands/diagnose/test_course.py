@@ -150,6 +150,42 @@ def test_the_lr_factor_comes_from_the_history():
     assert lr_change(run_course(h, None, []), h, 1e-3)[0] == 2.0
 
 
+def test_the_guards_divergence_events_give_the_lr_the_run_worked_at():
+    # it stopped the run after the lr jumped 300x: back to the lr of the lowest loss
+    losses = [4.2, 4.1, 4.0, 3.9, 3.95, 11.3]
+    lr = [1e-3] * 4 + [0.3, 0.3]
+    stop = (6, "divergence", {"action": "stop", "since": 4})
+    h = hist(losses, events=[stop], lr=lr)
+    course = run_course(h, None, [])
+    assert course.departure is None  # one high row: the rule fired before a level could move
+    factor, why = lr_change(course, h, 0.3)
+    assert factor == pytest.approx(300.0) and "from 0.001 (step 4, its lowest loss 3.9)" in why
+    # ... the same at one lr: 2x
+    h = hist(losses, events=[stop], lr=[1e-3] * 6)
+    assert lr_change(run_course(h, None, []), h, 1e-3) == (
+        2.0,
+        "the guard's divergence rule stopped the run at step 6",
+    )
+    # it rolled back and cut the lr, and the run went on clean: the lr it went on at
+    back = (4, "divergence", {"action": "rollback", "lr_factor": 0.5, "to_step": 4, "from_step": 6})
+    h = hist([4.2, 4.1, 4.0, 3.9, 3.8, 3.7, 3.6, 3.5], events=[back], lr=[1e-3] * 6 + [5e-4] * 2)
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=0.3)
+    assert j.lr[0] == pytest.approx(600.0) and "went on clean at lr 0.0005" in j.lr[1]
+    assert j.verdict.summary == (
+        "recovered: the loss diverged at step 6: rolled back to 4, lr x0.5, clean since"
+    )
+    # the rule held against the run's first loss (#27): its min_loss is that loss, said so
+    msg = (
+        "the loss diverged: ... 5.2x the loss the run started from (4.16, before its first update)"
+    )
+    ev = GuardEvent(6, "divergence", msg, {"action": "stop", "ratio": 5.2, "min_loss": 4.16})
+    h = History(source="run folder", rows=rows([4.2, 9.0, 21.0]), guard_events=[ev])
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=1.0)
+    assert j.verdict.events[-1] == (
+        "the loss diverged at step 6 (5.2x the loss it started from, 4.16): the guard stopped the run"
+    )
+
+
 # ---------------------------------------------------------------------------- the verdict
 def test_the_cause_comes_first_and_the_resume_point_is_before_the_trouble():
     losses = [3.9, 8.0, 9.0, 8.5, 9.5, 9.0, 9.2, 9.1]

@@ -2,10 +2,10 @@
 trainer's planted-fault hook where a case needs one) and a plain loop under
 :class:`ampctl.integrations.ProtectedRun` (the README's own-loop pattern).
 
-The guard's ``divergence``, ``rerun`` and ``promotion_undone`` events (issue #27) have no writer
-on this branch yet: :data:`HAND_WRITTEN` runs are a real ProtectedRun run folder with those
-events appended by hand, in the fields the issue gives them. Replace them with real runs once
-the writer is merged.
+The guard's ``divergence`` events are real (the divergence rule of #27 stopping or rolling back
+a loop whose lr jumped). The ``rerun``, ``promotion_undone`` and discarded-overflow events are
+:data:`HAND_WRITTEN`: a real ProtectedRun run folder with those events appended by hand, in the
+fields their writer (``ampctl/protect/``) gives them.
 """
 
 from __future__ import annotations
@@ -149,10 +149,11 @@ def own_loop(
     loss_factor: dict[int, float] | None = None,
     guard: dict[str, Any] | None = None,
     init_scale: float = 2.0**16,
+    lr_at: dict[int, float] | None = None,
 ) -> Path:
     """A plain fp16 loop under ProtectedRun (the README's own-loop pattern), tiny. Planted:
     ``inf_grads`` steps get an infinite gradient in one weight; ``loss_factor`` multiplies a
-    step's loss (a spike)."""
+    step's loss (a spike); ``lr_at`` sets the optimizer's lr from a step on (a bad schedule)."""
     from ampctl.amp import LossScaler
     from ampctl.integrations import ProtectedRun
     from ampctl.train.data import SyntheticMLM
@@ -172,6 +173,9 @@ def own_loop(
         guard=guard,
     ) as run:  # fmt: skip
         for step in range(1, steps + 1):
+            if step in (lr_at or {}):
+                for g in opt.param_groups:
+                    g["lr"] = lr_at[step]
             batch = data.next_batch()
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
@@ -227,6 +231,26 @@ def own_spikes(out: Path) -> Path:
     )
 
 
+def own_divergence_stop(out: Path) -> Path:
+    """The loop's lr set from 0.001 to 0.3 from step 20 on (a bad schedule): two overflows, the loss
+    up from 3.98 to 16, and the guard's divergence rule stops the run (``TrainDiverged``; its
+    snapshot of step 20 is newer than the last good row, 18, so it cannot roll back)."""
+    from ampctl.protect.protection import TrainDiverged
+
+    try:
+        own_loop(out, lr_at={20: 0.3})
+    except TrainDiverged:
+        pass
+    return out
+
+
+def own_divergence_rollback(out: Path) -> Path:
+    """The same lr jump a step later (from step 21) under ``guard.divergence_action=rollback``: the rule fires
+    at step 30, restores the snapshot of step 20 (its lr 0.001) with the lr cut 2x, and the run
+    goes on clean at 0.0005 to step 40."""
+    return own_loop(out, lr_at={21: 0.3}, guard={"divergence_action": "rollback"})
+
+
 # ---------------------------------------------------------------------------- hand-written
 def _append(run_dir: Path, events: list[dict[str, Any]], status: str | None = None) -> Path:
     with open(run_dir / "events.jsonl", "a") as f:
@@ -245,23 +269,6 @@ def _from(base: str):
         return _append(out, events, status)
 
     return make
-
-
-def divergence_stop(out: Path, root: Path) -> Path:
-    """HAND-WRITTEN (issue #27): the guard's divergence rule stopped the run at step 36."""
-    return _from("own-healthy")(out, root, [
-        {"step": 36, "kind": "divergence", "loss": 9.8, "min_loss": 3.1, "ratio": 3.16,
-         "action": "stop", "message": "loss 9.8 is 3.16x its minimum 3.1: stopped"},
-    ], status="diverged")  # fmt: skip
-
-
-def divergence_rollback(out: Path, root: Path) -> Path:
-    """HAND-WRITTEN (issue #27): the divergence rule rolled back at 30 and halved the lr."""
-    return _from("own-healthy")(out, root, [
-        {"step": 30, "kind": "divergence", "loss": 9.8, "min_loss": 3.1, "ratio": 3.16,
-         "action": "rollback", "lr_factor": 0.5,
-         "message": "loss 9.8 is 3.16x its minimum 3.1: rolled back, lr x0.5"},
-    ])  # fmt: skip
 
 
 def rerun_transient(out: Path, root: Path) -> Path:
@@ -320,12 +327,12 @@ RUNS = {
     "own-recovered": own_recovered,
     "own-storm": own_storm,
     "own-spikes": own_spikes,
+    "own-divergence-stop": own_divergence_stop,
+    "own-divergence-rollback": own_divergence_rollback,
 }
 
 #: Runs made from other runs of the corpus (``make(out, root)``): hand-written events.
 HAND_WRITTEN = {
-    "own-divergence-stop": divergence_stop,
-    "own-divergence-rollback": divergence_rollback,
     "own-rerun-transient": rerun_transient,
     "own-rerun-reproducible": rerun_reproducible,
     "own-promotion-undone": promotion_undone,
