@@ -3,7 +3,8 @@ trainer's planted-fault hook where a case needs one) and a plain loop under
 :class:`ampctl.integrations.ProtectedRun` (the README's own-loop pattern).
 
 The guard's ``divergence`` events are real (the divergence rule of #27 stopping or rolling back
-a loop whose lr jumped). The ``rerun``, ``promotion_undone`` and discarded-overflow events are
+a loop whose lr jumped), and so is a transient fault's ``rerun`` (``guard.rerun=true``). A
+reproducible ``rerun``, ``promotion_undone`` and discarded-overflow events are
 :data:`HAND_WRITTEN`: a real ProtectedRun run folder with those events appended by hand, in the
 fields their writer (``ampctl/protect/``) gives them.
 """
@@ -117,6 +118,18 @@ _UNDERFLOW = (
 def floor_too_high(out: Path) -> Path:
     """min_scale 2^20 (a bad floor): every step overflows at the floor (guard=off skips on)."""
     return train_run(out, "guard=off", "scaler.init_scale=1048576", "scaler.min_scale=1048576")
+
+
+def rerun_transient(out: Path) -> Path:
+    """``guard.rerun=true``: an infinite gradient planted in one weight at step 10 (after the
+    backward: a transient fault) overflows; the guard reruns the step from the same state and
+    batch, finds it clean, and retries it with the rerun's gradients."""
+
+    def fault(tr, s: int, phase: str) -> None:
+        if s == 10:
+            tr.model.get_parameter(f"{FP8_LAYER}.weight").grad.view(-1)[0] = float("inf")
+
+    return train_run(out, "guard.rerun=true", fault=fault)
 
 
 FP8_LAYER = "bert.encoder.layer.0.output.dense"
@@ -271,33 +284,28 @@ def _from(base: str):
     return make
 
 
-def rerun_transient(out: Path, root: Path) -> Path:
-    """HAND-WRITTEN (issue #27): an overflow at 26 that a rerun of the step did not reproduce."""
-    return _from("own-healthy")(out, root, [
-        {"step": 26, "kind": "overflow", "overflow": "gradient", "scale": 32768.0,
-         "params": [OWN_PARAM], "message": "gradient overflow, step skipped"},
-        {"step": 26, "kind": "rerun", "verdict": "transient", "cause": "overflow", "rank": None,
-         "message": "step 26 rerun from the same state: finite (transient)"},
-    ])  # fmt: skip
-
-
 def rerun_reproducible(out: Path, root: Path) -> Path:
-    """HAND-WRITTEN (issue #27): a spike at 28 that the rerun reproduced (the batch)."""
+    """HAND-WRITTEN: a spike at 28 that the rerun reproduced (a bad batch), in the fields the
+    rerun's writer (``ampctl/protect/replays.py``) gives it."""
     return _from("own-healthy")(out, root, [
         {"step": 28, "kind": "spike", "loss": 40.0, "loss_threshold": 6.0, "grad_norm": 2.0,
          "grad_norm_threshold": 9.0, "scale": 65536.0, "message": "spike, step skipped"},
         {"step": 28, "kind": "rerun", "verdict": "reproducible", "cause": "spike", "rank": None,
-         "batch": 28, "message": "step 28 rerun from the same state: the same spike"},
+         "rerun_loss": 40.0,
+         "message": "rerun of step 28 (spike): fails again (loss 40): the data or the numerics"},
     ])  # fmt: skip
 
 
 def promotion_undone(out: Path, root: Path) -> Path:
-    """HAND-WRITTEN (issue #27): a promotion at 18 that did not cure the overflow, undone."""
+    """HAND-WRITTEN (issue #27): a promotion at 22 that did not cure the overflow, undone at 23
+    (the fields of ``ampctl/protect/replays.py``'s events)."""
     return _from("own-recovered")(out, root, [
         {"step": 22, "kind": "promotion", "module": "bert.encoder.layer.0.output.dense",
          "message": "forward overflow first appears in ...: now runs in fp32"},
         {"step": 23, "kind": "promotion_undone", "module": "bert.encoder.layer.0.output.dense",
-         "message": "bert.encoder.layer.0.output.dense moved back from fp32: not the cause"},
+         "promoted_at": 22,
+         "message": "bert.encoder.layer.0.output.dense overflows in fp32 too (promoted at step "
+                    "22): not the cause, moved back to fp16"},
     ])  # fmt: skip
 
 
@@ -323,6 +331,7 @@ RUNS = {
     "ampctl-floor": floor_too_high,
     "ampctl-fp8-healthy": fp8_healthy,
     "ampctl-fp8-saturated": fp8_saturated,
+    "ampctl-rerun-transient": rerun_transient,
     "own-healthy": own_healthy,
     "own-recovered": own_recovered,
     "own-storm": own_storm,
@@ -333,7 +342,6 @@ RUNS = {
 
 #: Runs made from other runs of the corpus (``make(out, root)``): hand-written events.
 HAND_WRITTEN = {
-    "own-rerun-transient": rerun_transient,
     "own-rerun-reproducible": rerun_reproducible,
     "own-promotion-undone": promotion_undone,
     "own-discarded": discarded,

@@ -164,6 +164,9 @@ CASES: tuple[Case, ...] = (
     Case("ampctl/promoted", KINDS[10], FORMATS[4], "ampctl-promoted",
          _back("checkpoints/step_00000024.pt", "to fp32", {"precision.fp32_modules"}),
          twin="ampctl/healthy"),
+    Case("ampctl/rerun-transient", KINDS[10], FORMATS[4], "ampctl-rerun-transient",
+         _back("checkpoints/step_00000024.pt", "step 10 did not reproduce on rerun: "
+               "hardware/transient, clean since"), twin="ampctl/healthy"),
     # --------------------------------------------------------------- ProtectedRun
     Case("own/healthy", KINDS[0], FORMATS[5], "own-healthy", _ok(None)),
     Case("own/storm", KINDS[1], FORMATS[5], "own-storm",
@@ -180,10 +183,8 @@ CASES: tuple[Case, ...] = (
     Case("own/divergence-rollback", KINDS[10], FORMATS[5], "own-divergence-rollback",
          _back(None, "the loss diverged at step 30 (1.78x its lowest, 3.183): rolled back to 20, "
                "lr x0.5, clean since", {"optim.lr"}), twin="own/healthy"),
-    Case("own/rerun-transient", KINDS[10], FORMATS[5], "own-rerun-transient",
-         _back(None, "hardware/transient"), twin="own/healthy", note="hand-written #27 events"),
     Case("own/rerun-reproducible", KINDS[10], FORMATS[5], "own-rerun-reproducible",
-         _back(None, "data or numerics at step 28, batch 28"), twin="own/healthy",
+         _back(None, "data or numerics at step 28"), twin="own/healthy",
          note="hand-written #27 events"),
     Case("own/promotion-undone", KINDS[10], FORMATS[5], "own-promotion-undone",
          _back(None, "not the cause"), twin="own/healthy", note="hand-written #27 events"),
