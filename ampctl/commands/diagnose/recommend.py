@@ -149,22 +149,22 @@ def _module_of(param: str) -> str:
 
 
 def _fp32_modules(
-    rep: Replay | None, hist: History | None, exempted: list[str], j: Judgement
+    rep: Replay | None, hist: History | None, in_fp32: list[str], j: Judgement
 ) -> tuple[list[str], bool]:
     """Modules to move to fp32 -- the replay's first overflowing one (forward or backward), what
     the guard promoted, the modules of the parameters an overflow storm named -- and whether the
-    overflow persists whatever is exempted."""
+    overflow persists whatever runs in fp32."""
     new: list[str] = []
     persistent = False
     kinds = {p.kind for p in j.problems}
     fb = rep.forward_first_bad if rep else None
     if fb is not None and fb.fp32_finite:
-        if fb.module == "<model>" or fb.module in exempted:
+        if fb.module == "<model>" or fb.module in in_fp32:
             persistent = True  # the module cannot be isolated, or is fp32 already
         else:
             new.append(fb.module)
     bb = rep.backward_first_bad if rep else None
-    if bb is not None and "backward_nonfinite" in kinds and bb.module not in exempted:
+    if bb is not None and "backward_nonfinite" in kinds and bb.module not in in_fp32:
         if bb.module == "<model>":
             persistent = True
         else:
@@ -194,7 +194,7 @@ def recommend(
     fmt: str,
     settings: Settings,
     precision: str | None,
-    exempted: list[str],
+    in_fp32: list[str],
     state: StateHealth,
     hist: History | None,
     rep: Replay | None,
@@ -210,9 +210,9 @@ def recommend(
     _lr_rules(recs, settings, kinds, j)
     # 2) fp32 modules: the replay's first overflowing module (forward or backward), what the
     #    guard promoted, the modules of the parameters a storm named
-    new, persistent = _fp32_modules(rep, hist, exempted, j)
+    new, persistent = _fp32_modules(rep, hist, in_fp32, j)
     if new:
-        mods = list(dict.fromkeys(settings.fp32_modules + exempted + new))
+        mods = list(dict.fromkeys(settings.fp32_modules + in_fp32 + new))
         one = len(new) == 1
         where = "backward" if "backward_nonfinite" in kinds and not rep.forward_first_bad else ""
         add_reason = (

@@ -80,7 +80,7 @@ class ReplayInput:
     accum: int = 1
     seed: int = 0
     fp32_modules: list[str] = field(default_factory=list)
-    exempt: list[str] = field(default_factory=list)
+    in_fp32: list[str] = field(default_factory=list)  # the modules the checkpoint ran in fp32
     data: str = "the run's next batches"
     options: dict[str, Any] = field(default_factory=dict)  # plugin options (fp8 recipe ...)
     precision_state: dict[str, Any] | None = None  # the checkpoint's (fp8 demotions)
@@ -230,16 +230,16 @@ def _prepare_policy(inp: ReplayInput) -> tuple[Precision, list[str]]:
         device_type=inp.device.type,
         options=inp.options,
     )
-    exempted: list[str] = []
+    in_fp32: list[str] = []
     try:
-        if inp.precision == "fp8":  # as the trainer: convert, demote again, then exempt
+        if inp.precision == "fp8":  # as the trainer: convert, demote again, then fp32
             policy.prepare(inp.model)
             policy.restore(inp.model, inp.precision_state or {})
-            exempted = [n for n in inp.exempt if policy.to_fp32(inp.model, n)]
+            in_fp32 = [n for n in inp.in_fp32 if policy.to_fp32(inp.model, n)]
         else:
-            for n in inp.exempt:
+            for n in inp.in_fp32:
                 if policy.to_fp32(inp.model, n):
-                    exempted.append(n)
+                    in_fp32.append(n)
             policy.prepare(inp.model)
     except UsageError as e:  # fp8: torchao missing, a bad recipe or exclusion list
         raise ReplaySkipped(first_line(e)) from None
@@ -247,8 +247,8 @@ def _prepare_policy(inp: ReplayInput) -> tuple[Precision, list[str]]:
         raise ReplaySkipped(
             f"the checkpoint's fp32 modules do not fit the model: {first_line(e)}"
         ) from None
-    exempted = list(dict.fromkeys(list(policy.in_fp32) + exempted))
-    return policy, exempted
+    in_fp32 = list(dict.fromkeys(list(policy.in_fp32) + in_fp32))
+    return policy, in_fp32
 
 
 def _precision_pass(inp: ReplayInput, policy: Precision, low: str) -> _LowPass:
@@ -381,7 +381,7 @@ def run_replay(inp: ReplayInput) -> tuple[Replay, Fp8Section | None]:
     fp8 section for an fp8 replay."""
     t0 = time.perf_counter()
     ref = _reference_pass(inp)
-    policy, exempted = _prepare_policy(inp)
+    policy, in_fp32 = _prepare_policy(inp)
     low_dtype = str(policy.compute_dtype).replace("torch.", "")
     low = _precision_pass(inp, policy, low_dtype)
     vals = torch.stack(ref.figs + low.figs).cpu().tolist()  # the one read of the figures
@@ -417,7 +417,7 @@ def run_replay(inp: ReplayInput) -> tuple[Replay, Fp8Section | None]:
         forward_first_bad=fwd_first,
         backward_first_bad=bwd_first,
         gradients=_gradients(inp, ref, low, ref_vals, low_vals) if scaled else None,
-        exempted=exempted,
+        exempted=in_fp32,  # the JSON key (report.py) is 'exempted'
         elapsed_s=time.perf_counter() - t0,
     )
     return replay, fp8_section
@@ -558,7 +558,7 @@ def ampctl_input(
         accum=int(cfg.trainer.grad_accum_steps),
         seed=int(cfg.trainer.seed),
         fp32_modules=list(cfg.precision.fp32_modules),
-        exempt=list(found.fp32_modules),
+        in_fp32=list(found.fp32_modules),
         data=label,
         options=cfg.precision.options(),
         precision_state=ck.get("precision") if isinstance(ck.get("precision"), dict) else None,

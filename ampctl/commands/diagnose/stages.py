@@ -379,6 +379,7 @@ class Replay:
     forward_first_bad: FirstBad | None = None
     backward_first_bad: FirstBad | None = None
     gradients: Gradients | None = None
+    #: the modules the replay ran in fp32 (Precision.in_fp32); the JSON key keeps its old name
     exempted: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
 
