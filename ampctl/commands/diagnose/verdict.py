@@ -201,8 +201,13 @@ def history_problems(
         start = " at the first updates, before it ever fell" if d.never_improved else ""
         if d.lr_rose:
             start += f", {_lr_grew(d)}"
-        if nxt is not None:
+        peak, at = d.peak, d.peak_step
+        if nxt is not None:  # its peak before the non-finite steps (not a batch's loss after)
             tail = f", before the gradients went non-finite at step {nxt.start}"
+            rows = [r for r in (h.rows if h else []) if d.step <= r.step < nxt.start]
+            top = max((r for r in rows if _fin(r.loss)), key=lambda r: r.loss, default=None)
+            if top is not None:
+                peak, at = top.loss, top.step
         elif d.resolved_at is None:
             tail = ", and did not come back"
         else:
@@ -212,8 +217,8 @@ def history_problems(
         problems.append(
             Problem(
                 "lr_divergence",
-                f"the loss rose from {d.min_loss:.4g} (step {d.min_step}) to {d.peak:.4g} (step "
-                f"{d.peak_step}){start}{tail}: the learning rate is too high",
+                f"the loss rose from {d.min_loss:.4g} (step {d.min_step}) to {peak:.4g} (step "
+                f"{at}){start}{tail}: the learning rate is too high",
                 step=d.step,
             )
         )

@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from .conftest import diagnose_cli
+from ampctl.cli import app
+
 from .corpus import table as corpus_table
 from .corpus.cases import BY_NAME, CASES, KINDS, Corpus, mismatches, missing_library
 
@@ -32,7 +34,7 @@ def test_verdict(case, corpus):
     lib = missing_library(case.run)
     if lib is not None:
         pytest.skip(f"the run is written by {lib}: pip install {lib}")
-    code, report, err = diagnose_cli(
+    code, report, err = corpus.diagnose(
         corpus.target(case), *(["--trust-code"] if case.trust_code else [])
     )
     assert report is not None, err
@@ -71,7 +73,7 @@ def test_a_healthy_fp16_run_with_skipped_steps_is_no_false_alarm(corpus):
     """The HF Trainer logs ``grad_norm: inf`` for a step its GradScaler skipped: that alone is
     how dynamic loss scaling works, not a problem (and no lr advice)."""
     pytest.importorskip("transformers")
-    code, rep, _ = diagnose_cli(corpus.run("hf-healthy"))
+    code, rep, _ = corpus.diagnose(corpus.run("hf-healthy"))
     assert code == 0 and rep["problems"] == [] and rep["recommendations"] == []
     h = rep["history"]
     (skip,) = h["skipped_steps"]
@@ -82,11 +84,12 @@ def test_a_healthy_fp16_run_with_skipped_steps_is_no_false_alarm(corpus):
 def test_the_resume_point_is_before_the_break_not_the_newest_sane_checkpoint(corpus):
     """lr 0.3: checkpoints 10-30 hold finite tensors and a sane scale, but the loss left its
     course at the first updates: none of them is a resume point, given the folder or one of
-    them, and the lr is lowered 10x (the loss never fell before it rose)."""
+    them (checkpoint-30 too: never itself), and the lr is lowered 10x (the loss never fell
+    before it rose)."""
     pytest.importorskip("transformers")
     run = corpus.run("hf-lr-0.3")
-    for target in (run, run / "checkpoint-20"):
-        code, rep, _ = diagnose_cli(target)
+    for target in (run, run / "checkpoint-20", run / "checkpoint-30"):
+        code, rep, _ = corpus.diagnose(target)
         assert code == 1 and rep["resume"]["checkpoint"] is None
         assert all(c["after_trouble"] for c in rep["checkpoints"] if c["healthy"])
         assert rep["resume"]["command"].startswith(
@@ -99,7 +102,7 @@ def test_the_resume_point_is_before_the_break_not_the_newest_sane_checkpoint(cor
 
 def test_a_backward_nan_names_the_module_and_moves_it_to_fp32(corpus):
     pytest.importorskip("transformers")
-    code, rep, _ = diagnose_cli(corpus.run("hf-backward-nan"))
+    code, rep, _ = corpus.diagnose(corpus.run("hf-backward-nan"))
     bb = rep["replay"]["backward_first_bad"]
     assert rep["replay"]["forward_first_bad"] is None
     assert bb["module"] == "transformer.h.1.mlp.act" and bb["fp32_finite"] is True
@@ -119,10 +122,66 @@ def test_a_resumed_lightning_run_folder_says_it_was_resumed(corpus):
     """AmpctlCallback's run folder, the fit resumed from its newest checkpoint: nothing was set
     aside (no branch), and the folder's resume event is counted and named."""
     pytest.importorskip("lightning")
-    code, rep, _ = diagnose_cli(corpus.run("lightning-callback-resumed"))
+    code, rep, _ = corpus.diagnose(corpus.run("lightning-callback-resumed"))
     assert code == 0 and rep["branch"]["resumes"] == 1 and rep["branch"]["branches"] == []
     assert rep["branch"]["text"] == (
         "main line; resumed 1 time(s), at step 40, each from the newest checkpoint (nothing set "
         "aside)"
     )
     assert rep["history"]["resumes"][0]["step"] == 40
+
+
+def test_a_checkpoint_after_the_break_given_alone_resumes_from_before_it(corpus):
+    """The backward goes NaN at step 16 and every later step is skipped: checkpoint-30's own
+    tensors and scale look fine, but its folder's history shows the break, so given alone it
+    recommends checkpoint-10 (written before it), never itself, and names the module."""
+    pytest.importorskip("transformers")
+    run = corpus.run("hf-backward-nan")
+    code, rep, _ = corpus.diagnose(run / "checkpoint-30")
+    assert code == 1 and rep["verdict"]["first_bad_step"] == 16
+    own = next(c for c in rep["checkpoints"] if c["path"] == str(run / "checkpoint-30"))
+    assert own["healthy"] is True and own["after_trouble"] is True
+    assert rep["resume"]["checkpoint"] == str(run / "checkpoint-10")
+    assert rep["problems"][0]["module"] == "transformer.h.1.mlp.act"
+
+
+@pytest.mark.parametrize(
+    ("run", "param"),
+    [
+        ("own-recovered", "bert.encoder.layer.0.output.dense.weight"),  # ProtectedRun
+        ("lightning-callback-recovered", "net.2.weight"),  # AmpctlCallback
+    ],
+)
+def test_an_integration_run_folder_names_the_overflowed_parameters_and_its_lr(corpus, run, param):
+    """The run folders ProtectedRun and the Lightning callback write: the parameters whose
+    gradients overflowed (events.jsonl) are named in the history, the verdict and the text;
+    the learning rate of every row is read from metrics.jsonl's ``lr``."""
+    if missing_library(run):
+        pytest.skip(f"needs {missing_library(run)}")
+    path = corpus.run(run)
+    code, rep, _ = corpus.diagnose(path)
+    assert code == 0 and rep["history"]["overflow_params"] == [param]
+    assert f"non-finite gradients in {param}" in rep["verdict"]["summary"]
+    rows = rep["history"]["before_break"]
+    assert rows and all(isinstance(r["learning_rate"], float) for r in rows)
+    res = CliRunner().invoke(app, ["diagnose", str(path)], env={"COLUMNS": "200"})
+    text = " ".join(res.stdout.replace("│", " ").split())
+    assert f"non-finite gradients in {param}" in text
+
+
+def test_a_run_diverged_by_its_lr_is_told_to_lower_it_first(corpus):
+    """lr 1.0: the loss rises 8x at the first updates, then the gradients go non-finite. The lr
+    is the cause (the first problem, the first advice: 10x lower, with a warmup), and the fp32
+    advice names only the module whose backward the replay saw go NaN (finite in fp32), never a
+    LayerNorm (autocast runs it in fp32 already)."""
+    pytest.importorskip("transformers")
+    code, rep, _ = corpus.diagnose(corpus.run("hf-lr-1.0"))
+    assert code == 1 and [p["kind"] for p in rep["problems"]][:2] == [
+        "lr_divergence",
+        "backward_nonfinite",
+    ]
+    recs = [r["override"] for r in rep["recommendations"]]
+    assert recs[:2] == ["optim.lr=0.1", "optim.warmup_steps=10"]
+    fp32 = [r for r in recs if r.startswith("precision.fp32_modules=")]
+    assert fp32 == ["precision.fp32_modules=[transformer.h.1.mlp.act]"]
+    assert not any("ln_" in r or "LayerNorm" in r for r in recs)

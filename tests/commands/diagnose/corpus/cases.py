@@ -85,8 +85,9 @@ CASES: tuple[Case, ...] = (
     Case("hf/healthy", KINDS[0], FORMATS[0], "hf-healthy", _ok("checkpoint-30", "isolated skipped step")),
     Case("hf/healthy-ckpt20", KINDS[0], FORMATS[0], "hf-healthy", _ok("checkpoint-20"), path="checkpoint-20"),
     Case("hf/lr-1.0", KINDS[3], FORMATS[0], "hf-lr-1.0",
-         _bad("lr_divergence", None, "optim.lr", "optim.warmup_steps", "precision.fp32_modules"),
-         twin="hf/healthy", slow=True),
+         _bad("lr_divergence", None, "optim.lr", "optim.warmup_steps", "precision.fp32_modules",
+              says="to 32.81 (step 5) at the first updates, before it ever fell, before the "
+              "gradients went non-finite at step 7"), twin="hf/healthy"),
     Case("hf/lr-0.3", KINDS[3], FORMATS[0], "hf-lr-0.3",
          _bad("lr_divergence", None, "optim.lr", "optim.warmup_steps"), twin="hf/healthy"),
     Case("hf/lr-0.3-ckpt20", KINDS[3], FORMATS[0], "hf-lr-0.3",
@@ -94,6 +95,10 @@ CASES: tuple[Case, ...] = (
          note="checkpoint-20 given alone: its own history says the trouble began before it"),
     Case("hf/backward-nan", KINDS[5], FORMATS[0], "hf-backward-nan",
          _bad("backward_nonfinite", "checkpoint-10", "precision.fp32_modules"), twin="hf/healthy"),
+    Case("hf/backward-nan-ckpt30", KINDS[5], FORMATS[0], "hf-backward-nan",
+         _bad("backward_nonfinite", "checkpoint-10", "precision.fp32_modules"),
+         path="checkpoint-30", twin="hf/healthy",
+         note="checkpoint-30 given alone: its tensors look fine, its folder's history shows the break at 16"),
     Case("hf/forward-overflow", KINDS[4], FORMATS[0], "hf-forward-overflow",
          _bad("forward_overflow", "checkpoint-10", "precision.fp32_modules"), twin="hf/healthy",
          slow=True),
@@ -108,6 +113,10 @@ CASES: tuple[Case, ...] = (
          note="the .ckpt given alone is judged with the checkpoints beside it"),
     Case("lightning/callback-resumed", KINDS[0], FORMATS[1], "lightning-callback-resumed", _ok(None),
          note="ampctl's AmpctlCallback run folder, resumed once from its newest checkpoint"),
+    Case("lightning/callback-recovered", KINDS[10], FORMATS[1], "lightning-callback-recovered",
+         _back(None, "3 overflows at 21–23 (non-finite gradients in net.2.weight), rolled back to "
+               "20, clean since"), twin="lightning/callback-resumed",
+         note="AmpctlCallback's run folder: the overflowed parameter named from events.jsonl"),
     Case("lightning/fp32-healthy", KINDS[9], FORMATS[1], "lightning-fp32-healthy", _ok(f"{LIT}stepstep=60.ckpt")),
     Case("lightning/optimizer-inf", KINDS[9], FORMATS[1], "lightning-optimizer-inf",
          _bad("nonfinite_optimizer_state", f"{LIT}stepstep=20.ckpt", "optim.clip_grad_norm",
@@ -223,6 +232,20 @@ class Corpus:
 
     root: Path
     paths: dict[str, Path] = field(default_factory=dict)
+    reports: dict[tuple[str, ...], tuple[int, dict[str, Any] | None, str]] = field(
+        default_factory=dict
+    )
+
+    def diagnose(self, path: Path, *args: str) -> tuple[int, dict[str, Any] | None, str]:
+        """``ampctl diagnose PATH --json`` in-process (tests/commands/diagnose/conftest.py's
+        ``diagnose_cli``), once per path and arguments: (exit code, report, stderr). The
+        report is shared: read it, do not change it."""
+        from tests.commands.diagnose.conftest import diagnose_cli
+
+        key = (str(path), *args)
+        if key not in self.reports:
+            self.reports[key] = diagnose_cli(path, *args)
+        return self.reports[key]
 
     def run(self, name: str) -> Path:
         """The run ``name``, written on first use (a run written into ``root`` before, by

@@ -133,9 +133,11 @@ def optimizer_inf(out: Path) -> Path:
     return fit(out, steps=60, every=20, fp16=False, outlier_at=30)
 
 
-def callback_resumed(out: Path) -> Path:
-    """ampctl's ``AmpctlCallback`` writing its run folder (``out/run``), the fit stopped at
-    step 40 and resumed from its newest checkpoint to 80: one resume, nothing set aside."""
+def _callback_fit(out: Path, *, plant: range = range(0), resume_at: int | None = None) -> Path:
+    """ampctl's ``AmpctlCallback`` writing its run folder (``out/run``) around a Lightning fit of
+    80 steps, fp16 under ampctl's ``LossScaler``. ``plant``: the steps whose gradient of
+    ``net.2.weight`` is made infinite (a hook); ``resume_at``: the fit stops there and a new one
+    resumes from its newest checkpoint (``ckpt_path``)."""
     import lightning.pytorch as pl
 
     from ampctl.amp import LossScaler
@@ -146,6 +148,12 @@ def callback_resumed(out: Path) -> Path:
             super().__init__()
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+            self.net[2].weight.register_hook(self._plant)
+
+        def _plant(self, grad: torch.Tensor) -> torch.Tensor:
+            return (
+                torch.full_like(grad, math.inf) if self.trainer.global_step + 1 in plant else grad
+            )
 
         def training_step(self, batch, _i):
             x, y = batch
@@ -167,15 +175,29 @@ def callback_resumed(out: Path) -> Path:
     cb = AmpctlCallback(
         out / "run", log_every=4, precision="fp16", scaler=LossScaler(init_scale=4096.0)
     )
-    trainer(40, cb).fit(Module(), loader)
-    (ckpt,) = (out / "ckpt").iterdir()
-    resumed = AmpctlCallback(out / "run", log_every=4, precision="fp16")
-    trainer(80, resumed).fit(Module(), loader, ckpt_path=ckpt, weights_only=True)
+    trainer(resume_at or 80, cb).fit(Module(), loader)
+    if resume_at is not None:
+        (ckpt,) = (out / "ckpt").iterdir()
+        resumed = AmpctlCallback(out / "run", log_every=4, precision="fp16")
+        trainer(80, resumed).fit(Module(), loader, ckpt_path=ckpt, weights_only=True)
     return out / "run"
+
+
+def callback_resumed(out: Path) -> Path:
+    """The callback's run folder, the fit stopped at step 40 and resumed from its newest
+    checkpoint to 80: one resume, nothing set aside."""
+    return _callback_fit(out, resume_at=40)
+
+
+def callback_recovered(out: Path) -> Path:
+    """The callback's run folder, infinite gradients in ``net.2.weight`` at steps 21-23: three
+    overflows in a row, the guard rolls back to its snapshot of step 20, clean since."""
+    return _callback_fit(out, plant=range(21, 24))
 
 
 RUNS = {
     "lightning-callback-resumed": callback_resumed,
+    "lightning-callback-recovered": callback_recovered,
     "lightning-healthy": healthy,
     "lightning-collapse": collapse,
     "lightning-fp32-healthy": healthy_fp32,

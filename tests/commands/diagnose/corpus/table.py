@@ -70,8 +70,6 @@ def readme_block(text: str) -> str:
 
 def run_all(root: Path, *, out=sys.stdout) -> int:
     """Diagnose every case (writing the runs into ``root``); the number of wrong verdicts."""
-    from tests.commands.diagnose.conftest import diagnose_cli
-
     corpus = Corpus(root)
     wrong = 0
     for case in CASES:
@@ -82,7 +80,7 @@ def run_all(root: Path, *, out=sys.stdout) -> int:
         t0 = time.perf_counter()
         target = corpus.target(case)
         args = ["--trust-code"] if case.trust_code else []
-        code, report, err = diagnose_cli(target, *args)
+        code, report, err = corpus.diagnose(target, *args)
         bad = mismatches(case, code, report, corpus) if report else [f"exit {code}: {err}"]
         wrong += bool(bad)
         took = time.perf_counter() - t0
