@@ -185,3 +185,25 @@ def test_a_run_diverged_by_its_lr_is_told_to_lower_it_first(corpus):
     fp32 = [r for r in recs if r.startswith("precision.fp32_modules=")]
     assert fp32 == ["precision.fp32_modules=[transformer.h.1.mlp.act]"]
     assert not any("ln_" in r or "LayerNorm" in r for r in recs)
+
+
+def test_a_lightning_scale_of_0_gets_its_cause_and_advice_under_a_header(corpus):
+    """Lightning fp16, the GradScaler's scale 0.0 in the newest .ckpt: not a bare "bad scale"
+    but a collapsed scale with its cause, the advice under its numbered header in the user's
+    Lightning terms, and the resume point before the collapse; the same given that .ckpt
+    alone (compared with the checkpoints beside it)."""
+    pytest.importorskip("lightning")
+    run = corpus.run("lightning-collapse")
+    newest = run / "checkpoints" / "stepstep=200.ckpt"
+    for target in (run, newest):
+        code, rep, _ = corpus.diagnose(target)
+        p = rep["problems"][0]
+        assert code == 1 and p["kind"] == "scale_collapsed"
+        assert p["message"].startswith("the GradScaler scale fell to 0; cause: persistent overflow")
+        assert rep["resume"]["checkpoint"] == str(run / "checkpoints" / "stepstep=25.ckpt")
+    res = CliRunner().invoke(app, ["diagnose", str(newest)], env={"COLUMNS": "200"})
+    out = res.stdout
+    assert res.exit_code == 1
+    assert "4. Recommendations (paste into ampctl train, and in your own setup):" in out
+    head, advice = out.split("4. Recommendations", 1)
+    assert "precision=bf16" in advice and 'yours: Trainer(precision="bf16-mixed")' in advice
