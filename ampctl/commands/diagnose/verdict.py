@@ -129,7 +129,6 @@ def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[floa
             f"the loss rose from the first updates, before it ever fell{grew}: far too high",
         )
     if d.lr_rose:
-        rows = h.rows if h is not None else []
         peak = max([lr or 0.0, d.lr_peak, *(r.learning_rate or 0.0 for r in rows)])
         f = max(2.0, peak / d.lr_at_min)
         return f, (
