@@ -357,12 +357,13 @@ def diagnose(
     Nothing a checkpoint's config names is imported, and no path it names is opened, without
     --trust-code. Files read whole are capped at 64 MiB; memory is estimated first.
     """
-    from ampctl.commands.diagnose import run_diagnose
+    from ampctl.commands.diagnose import json_error, run_diagnose
+    from ampctl.errors import UsageError
     from ampctl.trust import parse_size
 
-    _at_least("--batches", batches, 1)
-
     try:
+        if batches < 1:
+            raise UsageError(f"--batches {batches}: must be an integer >= 1")
         code = run_diagnose(
             path=path,
             batches=batches,
@@ -375,7 +376,10 @@ def diagnose(
             max_memory=parse_size(max_memory) if max_memory is not None else None,
         )
     except _input_errors() as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if as_json:  # --json prints a JSON document on every exit
+            json_error(message)
+        _fail(message)
     raise typer.Exit(code)
 
 

@@ -11,11 +11,17 @@ The parts, one file each:
 * :mod:`.history` -- 2. what the run logged: first overflow, first NaN loss, grad-norm trend,
   which branch of an ampctl run folder was read;
 * :mod:`.replay` -- 3. a few batches replayed in fp32 and the run's precision with hooks
-  (ampctl configs behind the trust rule; Hugging Face models from ``config.json``);
+  (ampctl configs behind the trust rule; Hugging Face models from ``config.json``), and
+  :mod:`.findings` -- what the replay found, as problems;
 * :mod:`.fp8` -- 3. for fp8 runs, each fp8 layer's cast headroom in e4m3/e5m2 terms;
-* :mod:`.recommend` -- 4. overrides in ampctl's and the user's own terms, and where to resume;
-* :mod:`.report` -- the report dict (its JSON schema is documented there);
+* :mod:`.course` and :mod:`.verdict` -- 4. the verdict on the whole run (its history, the other
+  checkpoints, the scaler's record, the guard's events): healthy, recovered or broken, the
+  cause, and the checkpoint to resume from (written before the first sign of trouble);
+* :mod:`.recommend` -- 5. the fix, in ampctl's and the user's own terms;
+* :mod:`.report` -- the report (its JSON schema is documented there);
 * :mod:`.render` -- rich output; :mod:`.pipeline` -- one diagnosis start to end.
+
+The stages pass typed records (:mod:`.stages`), written to JSON by one function.
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ from typing import Any
 from .common import EXPLOSION_FACTOR, SCHEMA, UNDERFLOW_LIMIT
 from .health import name_optimizer_state, state_health
 from .history import grad_norm_trend, overflow_bursts
-from .pipeline import diagnose
+from .pipeline import diagnose, diagnose_report
 from .readers import FORMATS
 from .render import render
+from .report import report_json
 
 __all__ = [
     "SCHEMA",
     "FORMATS",
     "diagnose",
+    "diagnose_report",
     "run_diagnose",
+    "json_error",
     "render",
     "state_health",
     "name_optimizer_state",
@@ -60,10 +69,11 @@ def run_diagnose(
     max_memory: int | None = None,
 ) -> int:
     """What ``ampctl diagnose`` does: diagnose, print (rich tables, or only JSON on stdout),
-    return 0 when healthy and 1 when problems were found."""
+    return 0 when healthy or recovered and 1 when problems were found. Bad input raises (the
+    caller prints it; with ``as_json`` the JSON document is :func:`json_error`'s)."""
     from rich.console import Console
 
-    report: dict[str, Any] = diagnose(
+    report = diagnose_report(
         path,
         batches=batches,
         precision=precision,
@@ -74,8 +84,17 @@ def run_diagnose(
         max_memory=max_memory,
     )
     if as_json:
-        sys.stdout.write(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        sys.stdout.flush()
+        _print_json(report_json(report))
     else:
         render(report, Console())
-    return 0 if report["healthy"] else 1
+    return report.exit_code
+
+
+def json_error(message: str) -> None:
+    """The ``--json`` document of a diagnosis that could not be made (exit code 2)."""
+    _print_json({"error": message})
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()

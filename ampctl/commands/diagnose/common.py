@@ -16,7 +16,6 @@ __all__ = [
     "RECENT_WINDOW",
     "MAX_LISTED",
     "STATE_KINDS",
-    "problem",
     "pow2",
     "plain",
     "fmt",
@@ -59,10 +58,6 @@ STATE_KINDS = frozenset(
 
 def finite(x: Any) -> bool:
     return is_finite_number(x) and not isinstance(x, str)
-
-
-def problem(kind: str, message: str, severity: str = "error", **extra: Any) -> dict[str, Any]:
-    return {"kind": kind, "severity": severity, "message": message, **extra}
 
 
 def pow2(x: float) -> str:

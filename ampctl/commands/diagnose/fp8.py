@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ampctl.amp.formats import E4M3_MAX, E5M2_MAX
 
-from .common import problem
+from .stages import Fp8Layer, Fp8Section, Problem
 
 __all__ = ["HEADROOM_LIMIT", "FORMAT_MAX", "fp8_layers", "fp8_problems", "fp8_findings"]
 
@@ -59,17 +58,22 @@ def _layer(
     formats: Mapping[str, str],
     sat_max: float,
     under_max: float,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": name, "formats": dict(formats)}
+) -> Fp8Layer:
     why: list[str] = []
     heads = []
+    casts: dict[str, float] = {}
     for role, label in _ROLES:
         amax, fmt = float(row[f"{role}_amax"]), formats.get(role, "hp")
         head = _headroom(fmt, amax)
-        out[f"{role}_amax"] = amax
-        out[f"{role}_headroom_log2"] = head
-        out[f"{role}_sat"] = float(row[f"{role}_sat"])
-        out[f"{role}_under"] = float(row[f"{role}_under"])
+        sat, under = float(row[f"{role}_sat"]), float(row[f"{role}_under"])
+        casts.update(
+            {
+                f"{role}_amax": amax,
+                f"{role}_headroom_log2": head,
+                f"{role}_sat": sat,
+                f"{role}_under": under,
+            }
+        )
         if not math.isfinite(amax):
             why.append(f"non-finite {label} (amax {amax})")
             continue
@@ -81,18 +85,21 @@ def _layer(
                 f"{label} amax {amax:.4g} is {where} {fmt}'s max {FORMAT_MAX[fmt]:g} "
                 f"(headroom 2^{head:.1f}{unscaled})"
             )
-        if out[f"{role}_sat"] > sat_max:
-            why.append(f"{label} cast saturates {out[f'{role}_sat']:.1%} of its values")
-        if out[f"{role}_under"] > under_max:
-            why.append(
-                f"{label} cast flushes {out[f'{role}_under']:.1%} of its nonzero values to zero"
-            )
-    out["nonfinite"] = any(not math.isfinite(out[f"{r}_amax"]) for r, _ in _ROLES)
-    out["headroom_log2"] = math.nan if out["nonfinite"] else min(heads, default=math.inf)
-    out["sat"] = max(out[f"{r}_sat"] for r, _ in _ROLES)
-    out["under"] = max(out[f"{r}_under"] for r, _ in _ROLES)
-    out["findings"] = why
-    return out
+        if sat > sat_max:
+            why.append(f"{label} cast saturates {sat:.1%} of its values")
+        if under > under_max:
+            why.append(f"{label} cast flushes {under:.1%} of its nonzero values to zero")
+    nonfinite = any(not math.isfinite(casts[f"{r}_amax"]) for r, _ in _ROLES)
+    return Fp8Layer(
+        name=name,
+        formats=dict(formats),
+        **casts,
+        nonfinite=nonfinite,
+        headroom_log2=math.nan if nonfinite else min(heads, default=math.inf),
+        sat=max(casts[f"{r}_sat"] for r, _ in _ROLES),
+        under=max(casts[f"{r}_under"] for r, _ in _ROLES),
+        findings=why,
+    )
 
 
 def fp8_layers(
@@ -103,8 +110,8 @@ def fp8_layers(
     *,
     sat_threshold: float,
     under_threshold: float,
-) -> list[dict[str, Any]]:
-    """One dict per probed layer, non-finite layers first, then least headroom first.
+) -> list[Fp8Layer]:
+    """One record per probed layer, non-finite layers first, then least headroom first.
 
     ``rows``: the probe's host rows, ordered as ``fields`` (:data:`ampctl.amp.fp8.FIELDS`);
     ``formats``: each layer's cast formats (:func:`ampctl.amp.fp8.cast_formats`)."""
@@ -118,44 +125,41 @@ def fp8_layers(
         )
         for n, r in zip(names, rows, strict=True)
     ]
-    return sorted(
-        layers,
-        key=lambda m: (not m["nonfinite"], 0.0 if m["nonfinite"] else m["headroom_log2"]),
-    )
+    return sorted(layers, key=lambda m: (not m.nonfinite, 0.0 if m.nonfinite else m.headroom_log2))
 
 
-def fp8_findings(section: dict[str, Any] | None) -> list[dict[str, Any]]:
+def fp8_findings(section: Fp8Section | None) -> list[Fp8Layer]:
     """The layers of an ``fp8`` section that are findings, in the section's order."""
-    if not section or not section.get("ran"):
+    if section is None or not section.ran:
         return []
-    return [m for m in section["layers"] if m["findings"]]
+    return [m for m in section.layers if m.findings]
 
 
-def fp8_problems(section: dict[str, Any] | None) -> list[dict[str, Any]]:
+def fp8_problems(section: Fp8Section | None) -> list[Problem]:
     """``fp8_nonfinite`` (error) for layers whose cast went non-finite, ``fp8_headroom``
     (warning) for the other findings; each names the layers, worst first."""
     found = fp8_findings(section)
     out = []
-    bad = [m for m in found if m["nonfinite"]]
+    bad = [m for m in found if m.nonfinite]
     if bad:
         out.append(
-            problem(
+            Problem(
                 "fp8_nonfinite",
-                f"fp8 cast non-finite in {len(bad)} layer(s), first {bad[0]['name']}: "
-                f"{bad[0]['findings'][0]}",
-                layers=[m["name"] for m in bad],
+                f"fp8 cast non-finite in {len(bad)} layer(s), first {bad[0].name}: "
+                f"{bad[0].findings[0]}",
+                layers=[m.name for m in bad],
             )
         )
-    tight = [m for m in found if not m["nonfinite"]]
+    tight = [m for m in found if not m.nonfinite]
     if tight:
         first = tight[0]
         out.append(
-            problem(
+            Problem(
                 "fp8_headroom",
-                f"{len(tight)} fp8 layer(s) out of {len(section['layers'])} with too little "
-                f"headroom, first {first['name']}: {'; '.join(first['findings'])}",
+                f"{len(tight)} fp8 layer(s) out of {len(section.layers)} with too little "
+                f"headroom, first {first.name}: {'; '.join(first.findings)}",
                 severity="warning",
-                layers=[m["name"] for m in tight],
+                layers=[m.name for m in tight],
             )
         )
     return out

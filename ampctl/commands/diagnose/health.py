@@ -23,12 +23,21 @@ from typing import Any
 
 import torch
 
+from ampctl.amp import records as rec
 from ampctl.amp.formats import FP16_MAX, dtype_max
 
-from .common import RECENT_WINDOW, finite, problem
+from .common import RECENT_WINDOW, finite
 from .readers.base import Found
+from .stages import BadTensor, OptimizerNames, Problem, ScalerState, StateHealth, TensorSection
 
-__all__ = ["state_health", "name_optimizer_state", "scaler_state", "COMPUTE_DTYPES"]
+__all__ = [
+    "state_health",
+    "name_optimizer_state",
+    "scaler_state",
+    "applied_updates",
+    "is_bare_scaler",
+    "COMPUTE_DTYPES",
+]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _SQUARED_KEYS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum")
@@ -65,34 +74,28 @@ def _tensor_figures(tensors: list[torch.Tensor], limits: list[float]) -> list[li
     return torch.stack(rows).tolist()  # the one host read
 
 
-def _section(
-    entries: list[tuple[str, torch.Tensor, str | None, str | None, float]],
-) -> dict[str, Any]:
-    """Health of ``(name, tensor, param, key, limit)`` entries. **Syncs once.**"""
+#: ``(name, tensor, param, key, limit)``: one tensor to check
+Entry = tuple[str, torch.Tensor, str | None, str | None, float]
+
+
+def _section(entries: list[Entry], *, limit: float | None, amax: bool = True) -> TensorSection:
+    """Health of the entries. **Syncs once.**"""
     figs = _tensor_figures([t for _, t, *_ in entries], [lim for *_, lim in entries])
     bad = []
-    amax = 0.0
+    top = 0.0
     elements = 0
-    for (name, _t, param, key, limit), (nan, pos, neg, above, mx, numel) in zip(
+    for (name, _t, param, key, lim), (nan, pos, neg, above, mx, numel) in zip(
         entries, figs, strict=True
     ):
-        amax = max(amax, mx)
+        top = max(top, mx)
         elements += int(numel)
         if nan or pos or neg or above:
             bad.append(
-                {
-                    "name": name,
-                    "param": param,
-                    "key": key,
-                    "nan": int(nan),
-                    "posinf": int(pos),
-                    "neginf": int(neg),
-                    "above_limit": int(above),
-                    "amax": mx,
-                    "limit": limit,
-                }
+                BadTensor(name, param, key, int(nan), int(pos), int(neg), int(above), mx, lim)
             )
-    return {"tensors": len(entries), "elements": elements, "amax": amax, "bad": bad}
+    return TensorSection(
+        tensors=len(entries), elements=elements, amax=top if amax else None, bad=bad, limit=limit
+    )
 
 
 def _dedup(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -181,11 +184,21 @@ def name_optimizer_state(
 
 
 # ---------------------------------------------------------------------------- scaler
-def _history_rows(sc: dict[str, Any]) -> list[tuple[int, float, bool]]:
+def _record_rows(sc: dict[str, Any]) -> list[tuple[int, float, int, float]]:
+    """ampctl's per-update record as ``(update, scale used, kind, loss)``: ``history`` rows
+    ``(update, scale, kind)`` (kind 0 clean, 1 gradient overflow, 2 forward overflow, 3 spike),
+    with each step's loss from ``records`` when the checkpoint has them (NaN otherwise)."""
     hist = sc.get("history")
-    if not isinstance(hist, torch.Tensor) or hist.numel() == 0:
+    if not isinstance(hist, torch.Tensor) or hist.numel() == 0 or hist.shape[-1] != 3:
         return []
-    return [(int(s), float(v), bool(k)) for s, v, k in hist.double().reshape(-1, 3).tolist()]
+    rows = hist.double().reshape(-1, 3).tolist()
+    recs = sc.get("records")
+    losses = [math.nan] * len(rows)
+    if isinstance(recs, torch.Tensor) and recs.dim() == 2 and recs.shape == (len(rows), 6):
+        losses = recs[:, rec.LOSS].double().tolist()
+    return [
+        (int(u), float(v), int(k), float(lo)) for (u, v, k), lo in zip(rows, losses, strict=True)
+    ]
 
 
 def _num(x: Any, default: Any = None) -> Any:
@@ -194,9 +207,19 @@ def _num(x: Any, default: Any = None) -> Any:
     return x if isinstance(x, int | float) and not isinstance(x, bool) else default
 
 
-def scaler_state(sc: Any, kind: str | None) -> dict[str, Any] | None:
+def _int(x: Any) -> int | None:
+    v = _num(x)
+    return int(v) if v is not None and math.isfinite(v) else None
+
+
+def is_bare_scaler(sc: Any) -> bool:
+    """GradScaler's keys only (a ``torch.amp.GradScaler`` state, or ampctl's read as one)."""
+    return not any(k in sc for k in ("skipped_total", "history", "min_scale"))
+
+
+def scaler_state(sc: Any, kind: str | None) -> ScalerState | None:
     """The loss scaler's state in one shape for every format (None: not recorded). ampctl's
-    ``LossScaler`` state is GradScaler's keys plus its own counters and history; a state with
+    ``LossScaler`` state is GradScaler's keys plus its own counters and record; a state with
     GradScaler's keys only is read as a GradScaler (skips unknown)."""
     if not isinstance(sc, dict):
         return None
@@ -204,83 +227,70 @@ def scaler_state(sc: Any, kind: str | None) -> dict[str, Any] | None:
         return _deepspeed_scaler(sc)
     if "scale" not in sc:
         return None
-    if not any(k in sc for k in ("skipped_total", "history", "min_scale")):  # a GradScaler
-        scale = float(_num(sc.get("scale"), math.nan))
-        return {
-            "kind": "GradScaler",
-            "enabled": True,
-            "scale": scale,
-            "min_scale": None,
-            "max_scale": None,
-            "at_floor": None,
-            "growth_interval": _num(sc.get("growth_interval")),
-            "growth_factor": _num(sc.get("growth_factor")),
-            "backoff_factor": _num(sc.get("backoff_factor")),
-            "growth_tracker": _num(sc.get("_growth_tracker")),
-            "hysteresis": None,
-            "skipped_total": None,
-            "forward_overflows": None,
-            "consecutive_overflows": None,
-            "updates": None,
-            "recent_window": None,
-            "recent_skips": None,
-        }
-    rows = _history_rows(sc)
-    recent = rows[-RECENT_WINDOW:]
-    enabled = bool(sc.get("enabled", True))
     scale = float(_num(sc.get("scale"), math.nan))
-    min_scale = float(sc.get("min_scale", 1.0))
-    return {
-        "kind": "ampctl",
-        "enabled": enabled,
-        "scale": scale,
-        "min_scale": min_scale,
-        "max_scale": float(sc.get("max_scale", 2.0**24)),
-        "at_floor": enabled and scale <= min_scale,
-        "growth_interval": int(sc.get("growth_interval", 2000)),
+    common = {
         "growth_factor": _num(sc.get("growth_factor")),
         "backoff_factor": _num(sc.get("backoff_factor")),
-        "growth_tracker": _num(sc.get("_growth_tracker")),
-        "hysteresis": int(sc.get("hysteresis", 1)),
-        "skipped_total": int(sc.get("skipped_total", 0)),
-        "forward_overflows": int(sc.get("forward_overflows", 0)),
-        "consecutive_overflows": int(sc.get("consecutive_overflows", 0)),
-        "updates": int(sc.get("num_updates", len(rows))),
-        "recent_window": len(recent),
-        "recent_skips": sum(1 for r in recent if r[2]),
+        "growth_tracker": _int(sc.get("_growth_tracker")),
     }
+    if is_bare_scaler(sc):
+        return ScalerState(
+            kind="GradScaler",
+            enabled=True,
+            scale=scale,
+            growth_interval=_int(sc.get("growth_interval")),
+            **common,
+        )
+    rows = _record_rows(sc)
+    recent = rows[-RECENT_WINDOW:]
+    enabled = bool(sc.get("enabled", True))
+    min_scale = float(sc.get("min_scale", 1.0))
+    return ScalerState(
+        kind="ampctl",
+        enabled=enabled,
+        scale=scale,
+        min_scale=min_scale,
+        max_scale=float(sc.get("max_scale", 2.0**24)),
+        at_floor=enabled and scale <= min_scale,
+        growth_interval=int(sc.get("growth_interval", 2000)),
+        hysteresis=int(sc.get("hysteresis", 1)),
+        skipped_total=int(sc.get("skipped_total", 0)),
+        forward_overflows=int(sc.get("forward_overflows", 0)),
+        consecutive_overflows=int(sc.get("consecutive_overflows", 0)),
+        updates=int(sc.get("num_updates", len(rows))),
+        recent_window=len(recent),
+        recent_skips=sum(1 for r in recent if r[2] != rec.CLEAN),
+        spikes=_int(sc.get("spikes")),
+        rows=rows,
+        **common,
+    )
 
 
-def _deepspeed_scaler(sc: dict[str, Any]) -> dict[str, Any]:
+def _deepspeed_scaler(sc: dict[str, Any]) -> ScalerState:
     scale = _num(sc.get("cur_scale"))
     dynamic = bool(sc.get("dynamic", False))
     min_scale = _num(sc.get("min_scale"))
-    return {
-        "kind": "deepspeed",
-        "enabled": scale is not None,
-        "scale": float(scale) if scale is not None else None,
-        "min_scale": min_scale,
-        "max_scale": None,
-        "at_floor": (scale <= min_scale) if dynamic and scale is not None and min_scale else None,
-        "growth_interval": _num(sc.get("scale_window")) if dynamic else None,
-        "growth_factor": _num(sc.get("scale_factor")) if dynamic else None,
-        "backoff_factor": None,
-        "growth_tracker": None,
-        "hysteresis": _num(sc.get("delayed_shift")),
-        "skipped_total": _num(sc.get("skipped_steps")),
-        "forward_overflows": None,
-        "consecutive_overflows": None,
-        "updates": _num(sc.get("cur_iter")),
-        "recent_window": None,
-        "recent_skips": None,
-    }
+    return ScalerState(
+        kind="deepspeed",
+        enabled=scale is not None,
+        scale=float(scale) if scale is not None else None,
+        min_scale=min_scale,
+        at_floor=(scale <= min_scale) if dynamic and scale is not None and min_scale else None,
+        growth_interval=_num(sc.get("scale_window")) if dynamic else None,
+        growth_factor=_num(sc.get("scale_factor")) if dynamic else None,
+        hysteresis=_num(sc.get("delayed_shift")),
+        skipped_total=_num(sc.get("skipped_steps")),
+        updates=_num(sc.get("cur_iter")),
+    )
 
 
-def scaler_history_rows(found: Found) -> list[tuple[int, float, bool]]:
-    """ampctl's per-update scaler record ``(step, scale used, skipped)``; empty elsewhere."""
-    if found.scaler_kind == "ampctl" and isinstance(found.scaler, dict):
-        return _history_rows(found.scaler)
-    return []
+def applied_updates(opt_sd: Any) -> int | None:
+    """The optimizer updates a state dict has applied: the largest per-parameter ``step`` of
+    its state (Adam and friends count them; a skipped step does not). None when not kept."""
+    state = opt_sd.get("state") if isinstance(opt_sd, dict) else None
+    steps = [_num(st.get("step")) for st in (state or {}).values() if isinstance(st, dict)]
+    steps = [s for s in steps if s is not None and math.isfinite(s)]
+    return int(max(steps)) if steps else None
 
 
 # ---------------------------------------------------------------------------- state health
@@ -289,76 +299,70 @@ def _weight_limit(precision: str | None) -> float:
     return FP16_MAX if compute == torch.float16 else dtype_max(compute)
 
 
-def state_health(found: Found) -> dict[str, Any]:
-    """Part 1 of the report for what a reader found.
-
-    Returns ``{"weights", "master", "optimizer", "scaler", "names", "problems"}``. **Syncs**
-    (one host read per section)."""
-    precision = found.precision
-    wlimit = _weight_limit(precision)
-    weights = _section([(n, t, n, None, wlimit) for n, t in _dedup(found.weights.items())])
-    weights["limit"] = wlimit
-
-    pname: dict[Any, str] = {}
-    names_info: dict[str, Any] = {"method": None, "note": found.optimizer_note}
-    optimizer = None
+def _optimizer_section(
+    found: Found,
+) -> tuple[TensorSection | None, dict[Any, str], OptimizerNames]:
     opt_sd = found.optimizer
-    if isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict):
-        pname, method, note = name_optimizer_state(
-            opt_sd, found.param_orders, found.unordered_params
-        )
-        names_info = {"method": method, "note": note or found.optimizer_note}
-        entries = []
-        for pid, st in opt_sd["state"].items():
-            if not isinstance(st, dict):
+    names = OptimizerNames(method=None, note=found.optimizer_note)
+    if not (isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict)):
+        return None, {}, names
+    pname, method, note = name_optimizer_state(opt_sd, found.param_orders, found.unordered_params)
+    names = OptimizerNames(method=method, note=note or found.optimizer_note)
+    entries: list[Entry] = []
+    for pid, st in opt_sd["state"].items():
+        if not isinstance(st, dict):
+            continue
+        for key, t in st.items():
+            if key == "step" or not isinstance(t, torch.Tensor):
                 continue
-            for key, t in st.items():
-                if key == "step" or not isinstance(t, torch.Tensor):
-                    continue
-                if not t.is_floating_point() or t.dim() == 0:
-                    continue
-                limit = FP16_MAX**2 if key in _SQUARED_KEYS else FP16_MAX
-                p = pname.get(pid, f"param[{pid}]")
-                entries.append((f"{p}.{key}", t, p, key, limit))
-        optimizer = _section(entries)
-        optimizer.pop("amax")
+            if not t.is_floating_point() or t.dim() == 0:
+                continue
+            limit = FP16_MAX**2 if key in _SQUARED_KEYS else FP16_MAX
+            p = pname.get(pid, f"param[{pid}]")
+            entries.append((f"{p}.{key}", t, p, key, limit))
+    return _section(entries, limit=None, amax=False), pname, names
 
-    master = None
-    if found.masters:
-        mnames = found.master_names
-        if mnames is None:
-            ordered = [
-                pname[pid]
-                for g in (opt_sd or {}).get("param_groups", [])
-                for pid in g.get("params", [])
-                if pid in pname
-            ]
-            mnames = ordered if len(ordered) == len(found.masters) else None
-        entries = [
-            (
-                mnames[i] if mnames else f"master[{i}]",
-                t,
-                mnames[i] if mnames else None,
-                None,
-                wlimit,
-            )
-            for i, t in enumerate(found.masters)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
+
+def _master_section(found: Found, pname: dict[Any, str], wlimit: float) -> TensorSection | None:
+    if not found.masters:
+        return None
+    mnames = found.master_names
+    if mnames is None:
+        ordered = [
+            pname[pid]
+            for g in (found.optimizer or {}).get("param_groups", [])
+            for pid in g.get("params", [])
+            if pid in pname
         ]
-        master = _section(entries)
-        master["limit"] = wlimit
+        mnames = ordered if len(ordered) == len(found.masters) else None
+    entries: list[Entry] = [
+        (mnames[i] if mnames else f"master[{i}]", t, mnames[i] if mnames else None, None, wlimit)
+        for i, t in enumerate(found.masters)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    return _section(entries, limit=wlimit)
 
+
+def state_health(found: Found) -> StateHealth:
+    """Part 1 of the report for what a reader found (its problems in ``.problems``). **Syncs**
+    (one host read per section)."""
+    wlimit = _weight_limit(found.precision)
+    weights = _section(
+        [(n, t, n, None, wlimit) for n, t in _dedup(found.weights.items())], limit=wlimit
+    )
+    optimizer, pname, names = _optimizer_section(found)
+    master = _master_section(found, pname, wlimit)
     scaler = scaler_state(found.scaler, found.scaler_kind)
-    problems = _tensor_problems(weights, master, optimizer, wlimit, precision)
+    problems = _tensor_problems(weights, master, optimizer, wlimit, found.precision)
     problems += _scaler_problems(scaler)
-    return {
-        "weights": weights,
-        "master": master,
-        "optimizer": optimizer,
-        "scaler": scaler,
-        "names": names_info,
-        "problems": problems,
-    }
+    return StateHealth(
+        weights=weights,
+        master=master,
+        optimizer=optimizer,
+        names=names,
+        scaler=scaler,
+        problems=problems,
+    )
 
 
 def _listed(items: list[str]) -> str:
@@ -366,87 +370,85 @@ def _listed(items: list[str]) -> str:
 
 
 def _tensor_problems(
-    weights: dict[str, Any],
-    master: dict[str, Any] | None,
-    optimizer: dict[str, Any] | None,
+    weights: TensorSection,
+    master: TensorSection | None,
+    optimizer: TensorSection | None,
     wlimit: float,
     precision: str | None,
-) -> list[dict[str, Any]]:
-    problems: list[dict[str, Any]] = []
+) -> list[Problem]:
+    problems: list[Problem] = []
     for label, sec, kind in (("weight", weights, "weights"), ("master weight", master, "master")):
         if sec is None:
             continue
-        nonfinite = [b for b in sec["bad"] if b["nan"] or b["posinf"] or b["neginf"]]
-        extreme = [b for b in sec["bad"] if b not in nonfinite]
+        nonfinite = [b.name for b in sec.bad if b.nonfinite]
+        extreme = [b.name for b in sec.bad if not b.nonfinite]
         if nonfinite:
-            names = [b["name"] for b in nonfinite]
             problems.append(
-                problem(
+                Problem(
                     f"nonfinite_{kind}",
-                    f"{len(nonfinite)} {label} tensor(s) hold inf/NaN, first {_listed(names)}",
-                    tensors=names,
+                    f"{len(nonfinite)} {label} tensor(s) hold inf/NaN, first {_listed(nonfinite)}",
+                    tensors=nonfinite,
                 )
             )
         if extreme:
-            names = [b["name"] for b in extreme]
             problems.append(
-                problem(
+                Problem(
                     f"extreme_{kind}",
                     f"{len(extreme)} {label} tensor(s) exceed {wlimit:g} ({precision}: they "
-                    f"overflow when cast), first {_listed(names)}",
-                    tensors=names,
+                    f"overflow when cast), first {_listed(extreme)}",
+                    tensors=extreme,
                 )
             )
     if optimizer is not None:
-        nonfinite = [b for b in optimizer["bad"] if b["nan"] or b["posinf"] or b["neginf"]]
-        extreme = [b for b in optimizer["bad"] if b not in nonfinite]
         for group, kind, what in (
-            (nonfinite, "nonfinite_optimizer_state", "holds inf/NaN"),
             (
-                extreme,
+                [b for b in optimizer.bad if b.nonfinite],
+                "nonfinite_optimizer_state",
+                "holds inf/NaN",
+            ),
+            (
+                [b for b in optimizer.bad if not b.nonfinite],
                 "extreme_optimizer_state",
                 "is out of fp16's gradient range (moment > 65504, second moment > 65504^2)",
             ),
         ):
             if group:
-                params = list(dict.fromkeys(b["param"] for b in group))
                 problems.append(
-                    problem(
+                    Problem(
                         kind,
                         f"optimizer state {what}: "
-                        + _listed([f"{b['key']} of {b['param']}" for b in group]),
-                        tensors=[b["name"] for b in group],
-                        params=params,
+                        + _listed([f"{b.key} of {b.param}" for b in group]),
+                        tensors=[b.name for b in group],
+                        params=list(dict.fromkeys(b.param for b in group if b.param)),
                     )
                 )
     return problems
 
 
-def _scaler_problems(scaler: dict[str, Any] | None) -> list[dict[str, Any]]:
-    problems: list[dict[str, Any]] = []
-    if scaler is None or not scaler["enabled"]:
-        return problems
-    scale = scaler["scale"]
-    if not (finite(scale) and scale > 0):
+def _scaler_problems(scaler: ScalerState | None) -> list[Problem]:
+    """A scale that is not a number (``bad_scale``), a GradScaler scale at 0 or below 1
+    (``scale_collapsed``: it halved on step after step), ampctl's at its floor and still
+    skipping (``scale_at_floor``). The verdict names their cause from the history."""
+    if scaler is None or not scaler.enabled:
+        return []
+    scale = scaler.scale
+    if not (finite(scale) and scale >= 0):
+        return [Problem("bad_scale", f"the loss scale is {scale}: a resumed run would scale by it")]
+    problems = []
+    if scaler.kind != "ampctl" and scale < 1.0:
         problems.append(
-            problem("bad_scale", f"the loss scale is {scale}: a resumed run would scale by it")
-        )
-    elif scaler["kind"] == "GradScaler" and scale < 1.0:
-        problems.append(
-            problem(
+            Problem(
                 "scale_collapsed",
-                f"the GradScaler scale fell to {scale:.3g} (below 1): it halved on step after "
-                "step, so the gradients were non-finite at every scale it tried",
+                f"the {scaler.kind} scale fell to {scale:.3g}"
+                + (" (below 1)" if scale > 0 else ""),
             )
         )
-    if scaler["at_floor"] and (
-        (scaler["consecutive_overflows"] or 0) > 0 or (scaler["recent_skips"] or 0) > 0
-    ):
+    if scaler.at_floor and ((scaler.consecutive_overflows or 0) > 0 or (scaler.recent_skips or 0)):
         problems.append(
-            problem(
+            Problem(
                 "scale_at_floor",
-                f"loss scale at its floor ({scaler['min_scale']:g}) and still overflowing: "
-                f"{scaler['recent_skips']} of the last {scaler['recent_window']} steps skipped",
+                f"loss scale at its floor ({scaler.min_scale:g}) and still overflowing: "
+                f"{scaler.recent_skips} of the last {scaler.recent_window} steps skipped",
             )
         )
     return problems

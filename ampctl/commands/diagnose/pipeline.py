@@ -1,5 +1,5 @@
-"""One diagnosis, start to end: read -> state health -> history -> replay -> recommendations ->
-the checkpoint to resume from -> the report.
+"""One diagnosis, start to end: read -> state health -> history -> replay -> the verdict on the
+whole run (and the checkpoint to resume from) -> recommendations -> the report.
 
 The trust rule (:mod:`ampctl.trust`) applies to the one step that could run code, the replay of
 an ampctl checkpoint: its saved config goes through :func:`ampctl.config.config_from_saved`, so a
@@ -20,22 +20,30 @@ from ampctl.errors import UsageError, first_line
 from ampctl.runlog import RunLayout
 
 from . import readers
-from .common import STATE_KINDS
+from .common import STATE_KINDS, finite
+from .course import CheckpointFacts
+from .findings import replay_problems
 from .fp8 import fp8_problems
-from .health import scaler_history_rows, state_health
-from .history import (
-    branch_of,
-    foreign_history,
-    history_problems,
-    run_history,
-    unreadable_history,
-)
+from .health import applied_updates, state_health
+from .history import branch_of, foreign_history, run_history, unreadable_history
 from .readers.base import Found, ReaderError
 from .recommend import Settings, recommend, resume_command
 from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
-from .report import build_report, replay_problems, state_kinds_of
+from .report import build_report, report_json
+from .stages import (
+    Branch,
+    Fp8Section,
+    History,
+    Problem,
+    Replay,
+    Report,
+    Resume,
+    ScalerState,
+    StateHealth,
+)
+from .verdict import judge
 
-__all__ = ["diagnose", "check_options"]
+__all__ = ["diagnose", "diagnose_report", "check_options"]
 
 
 def check_options(batches: Any, precision: str | None, device: str) -> torch.device:
@@ -131,8 +139,15 @@ def _saved_number(config: dict[str, Any] | None, group: str, key: str) -> float 
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
-def _settings(found: Found, cfg: Any, scaler: dict[str, Any] | None) -> Settings:
-    gi = (scaler or {}).get("growth_interval")
+def _logged_lr(hist: History | None) -> float | None:
+    """The largest learning rate the run logged (its peak: the one to lower)."""
+    lrs = [r.learning_rate for r in (hist.rows if hist else []) if finite(r.learning_rate)]
+    return max(lrs) if lrs else None
+
+
+def _settings(found: Found, cfg: Any, scaler: ScalerState | None, hist: History | None) -> Settings:
+    gi = scaler.growth_interval if scaler is not None else None
+    scaled = found.scaler is not None or found.format == "ampctl"
     if found.format == "ampctl":
         if cfg is not None:
             return Settings(
@@ -141,21 +156,26 @@ def _settings(found: Found, cfg: Any, scaler: dict[str, Any] | None) -> Settings
                 clip_known=True,
                 fp32_modules=list(cfg.precision.fp32_modules),
                 growth_interval=gi,
+                warmup_steps=cfg.optim.warmup_steps,
             )
         mods = ((found.config or {}).get("precision") or {}).get("fp32_modules")
+        warm = _saved_number(found.config, "optim", "warmup_steps")
         return Settings(
-            lr=_saved_number(found.config, "optim", "lr"),
+            lr=_saved_number(found.config, "optim", "lr") or _logged_lr(hist),
             clip=_saved_number(found.config, "optim", "clip_grad_norm"),
-            clip_known=True,
+            clip_known=found.config is not None,
             fp32_modules=[str(m) for m in mods] if isinstance(mods, list) else [],
             growth_interval=gi,
+            warmup_steps=int(warm) if warm is not None else None,
         )
     lr = None
     groups = (found.optimizer or {}).get("param_groups") or []
     if groups and isinstance(groups[0], dict):
         v = groups[0].get("initial_lr", groups[0].get("lr"))
         lr = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-    return Settings(lr=lr, clip=None, clip_known=False, fp32_modules=[], growth_interval=gi)
+    return Settings(
+        lr=lr or _logged_lr(hist), clip=None, clip_known=False, growth_interval=gi, scaled=scaled
+    )
 
 
 # ---------------------------------------------------------------------------- replay
@@ -163,21 +183,22 @@ def _replay(
     found: Found,
     cfg: Any,
     cfg_reason: str | None,
-    problems: list[dict[str, Any]],
+    problems: list[Problem],
+    scaler: ScalerState | None,
     *,
     precision: str,
     dev: torch.device,
     batches: int,
     data_file: Path | None,
     trust_code: bool,
-) -> dict[str, Any]:
-    if any(p["kind"] in ("nonfinite_weights", "nonfinite_master") for p in problems):
+) -> tuple[Replay, Fp8Section | None]:
+    if any(p.kind in ("nonfinite_weights", "nonfinite_master") for p in problems):
         return skipped(
             "the weights are already non-finite: a replay would only propagate the NaN/inf "
             "(meaningless)",
             precision,
             dev,
-        )
+        ), _no_fp8(precision, None)
     try:
         if precision == "fp8":
             _require_torchao()
@@ -192,6 +213,7 @@ def _replay(
                 batches=batches,
                 data_file=data_file,
                 trust_code=trust_code,
+                scaler=scaler,
             )
         elif found.model_dir is not None:
             inp = hf_input(
@@ -200,7 +222,7 @@ def _replay(
                 device=dev,
                 batches=batches,
                 data_file=data_file,
-                scaler=found.scaler,
+                scaler=scaler,
             )
         elif found.run_dir is not None:
             raise ReplaySkipped(_unrecorded_model(found))
@@ -210,9 +232,21 @@ def _replay(
                 "the model cannot be rebuilt without running your code (replay needs an ampctl "
                 "checkpoint or a Hugging Face folder with config.json)"
             )
-        return run_replay(inp)
+        rep, fp8 = run_replay(inp)
+        return rep, fp8 or _no_fp8(precision, rep)
     except ReplaySkipped as e:
-        return skipped(str(e), precision, dev)
+        rep = skipped(str(e), precision, dev)
+        return rep, _no_fp8(precision, rep)
+
+
+def _no_fp8(precision: str, rep: Replay | None) -> Fp8Section | None:
+    """The report's ``fp8`` section when an fp8 replay did not produce one: why."""
+    if precision != "fp8":
+        return None
+    why = rep.reason if rep is not None and rep.reason else "no fp8 layer was replayed"
+    if rep is None:
+        why = "the weights are already non-finite: a replay would only propagate the NaN/inf (meaningless)"
+    return Fp8Section(ran=False, reason=why)
 
 
 def _require_torchao() -> None:
@@ -225,31 +259,42 @@ def _require_torchao() -> None:
         raise ReplaySkipped(str(e)) from None
 
 
-def _fp8_of(rep: dict[str, Any]) -> dict[str, Any] | None:
-    """The report's ``fp8`` section: the replay's, or why there is none for an fp8 replay."""
-    section = rep.pop("fp8", None)
-    if section is None and rep.get("precision") == "fp8":
-        section = {"ran": False, "reason": rep.get("reason") or "no fp8 layer was replayed"}
-    return section
-
-
 # ---------------------------------------------------------------------------- checkpoints
-def _sibling_health(found: Found, trust_code: bool) -> list[dict[str, Any]]:
-    """Health of the other checkpoints of the same run, newest first."""
+def _facts(found: Found, state: StateHealth, problems: list[Problem]) -> CheckpointFacts:
+    bad = sorted({p.kind for p in problems if p.kind in STATE_KINDS})
+    sc = state.scaler
+    return CheckpointFacts(
+        path=str(found.path),
+        step=found.step,
+        bad=bad,
+        scale=sc.scale if sc is not None and sc.enabled else None,
+        applied=applied_updates(found.optimizer),
+    )
+
+
+def _sibling_facts(found: Found, trust_code: bool) -> list[CheckpointFacts]:
+    """The other checkpoints of the same run written before this one, newest first."""
     out = []
     for p in found.siblings:
         try:
             other = readers.read(p, found.format, trust_code=trust_code)
         except (ReaderError, UsageError) as e:
-            out.append(
-                {"path": str(p), "step": None, "healthy": False, "problems": [first_line(e)]}
-            )
+            out.append(CheckpointFacts(str(p), None, [first_line(e)]))
             continue
         if found.step is not None and other.step is not None and other.step > found.step:
             continue
-        bad = state_kinds_of(state_health(other)["problems"] + other.problems)
-        out.append({"path": str(p), "step": other.step, "healthy": not bad, "problems": bad})
+        st = state_health(other)
+        out.append(_facts(other, st, st.problems + other.problems))
     return out
+
+
+def _has_checkpoint(found: Found) -> bool:
+    return (
+        found.raw is not None
+        or bool(found.weights)
+        or found.optimizer is not None
+        or (found.scaler is not None)
+    )
 
 
 # ---------------------------------------------------------------------------- the diagnosis
@@ -264,8 +309,9 @@ def diagnose(
     data: str | Path | None = None,
     max_memory: int | None = None,
 ) -> dict[str, Any]:
-    """Diagnose a checkpoint file or folder of any supported format; returns the report (the
-    ``--json`` content, schema in :mod:`ampctl.commands.diagnose.report`).
+    """Diagnose a checkpoint file or folder of any supported format; returns the report as
+    JSON values (the ``--json`` content, schema in :mod:`ampctl.commands.diagnose.report`).
+    :func:`diagnose_report` returns it typed.
 
     ``data``: what to replay instead of synthetic batches (a path the user names; one that the
     checkpoint names is opened only with ``trust_code``). ``max_memory``: bytes the checkpoint
@@ -275,10 +321,57 @@ def diagnose(
     a file or a memory estimate over the limits of :mod:`ampctl.trust`, ``batches < 1``, an
     unknown ``precision``, ``device`` or ``fmt``. **Syncs** (an offline tool: it reads every
     tensor)."""
+    return report_json(
+        diagnose_report(
+            path,
+            batches=batches,
+            precision=precision,
+            device=device,
+            fmt=fmt,
+            trust_code=trust_code,
+            data=data,
+            max_memory=max_memory,
+        )
+    )
+
+
+def diagnose_report(
+    path: str | Path,
+    *,
+    batches: int = 2,
+    precision: str | None = None,
+    device: str = "auto",
+    fmt: str | None = None,
+    trust_code: bool = False,
+    data: str | Path | None = None,
+    max_memory: int | None = None,
+) -> Report:
+    """:func:`diagnose`, the report typed (:class:`~.stages.Report`)."""
     from ampctl import trust
 
     with trust.max_memory(max_memory):
         return _diagnose(path, batches, precision, device, fmt, trust_code, data)
+
+
+def _read(path: str | Path, fmt: str | None, trust_code: bool, data_file: Path | None) -> Found:
+    found = readers.read(path, fmt, trust_code=trust_code)
+    if data_file is not None and found.model_dir is None and found.format != "ampctl":
+        found.notes.append(
+            f"--data is used for Hugging Face and ampctl checkpoints; a {found.format} "
+            "checkpoint is not replayed"
+        )
+    return found
+
+
+def _history(
+    found: Found, state: StateHealth, branch: Branch | None
+) -> tuple[History | None, list[Problem]]:
+    hist = None
+    if found.run_dir is not None:
+        hist = run_history(found.run_dir, found.step, state.scaler, branch)
+    elif found.history is not None:
+        hist = foreign_history(found.history, found.step)
+    return hist, unreadable_history(found, hist)
 
 
 def _diagnose(
@@ -289,55 +382,53 @@ def _diagnose(
     fmt: str | None,
     trust_code: bool,
     data: str | Path | None,
-) -> dict[str, Any]:
+) -> Report:
     dev = check_options(batches, precision, device)
     data_file = Path(data) if data is not None else None
     if data_file is not None and not data_file.exists():
         raise UsageError(f"--data {str(data)!r} does not exist: give a text file or folder")
-    found = readers.read(path, fmt, trust_code=trust_code)
-    if data_file is not None and found.model_dir is None and found.format != "ampctl":
-        found.notes.append(
-            f"--data is used for Hugging Face and ampctl checkpoints; a {found.format} "
-            "checkpoint is not replayed"
-        )
+    # 1. read, and the state's health
+    found = _read(path, fmt, trust_code, data_file)
     replay_precision = precision or found.precision or "fp32"
     if replay_precision == "bf16" and not bf16_supported(dev):
         raise UsageError(f"--precision bf16 is not supported on {dev}: use fp16 or fp32")
-
     state = state_health(found)
-    problems = list(found.problems) + list(state.pop("problems"))
+    problems = list(found.problems) + list(state.problems)
     cfg, cfg_reason = (None, None)
     if found.format == "ampctl":
         cfg, cfg_reason = _trusted_config(found, trust_code)
-
+    # 2. history
     branch = branch_of(found.path, found.run_dir) if found.format == "ampctl" else None
-    hist = None
-    if found.run_dir is not None:
-        hist = run_history(
-            found.run_dir, found.step, scaler_history_rows(found), state["scaler"], branch
-        )
-    elif found.history is not None:
-        hist = foreign_history(found.history, found.step)
-    if hist is not None:
-        problems += history_problems(hist, state["scaler"])
-    problems += unreadable_history(found, hist)
-
-    rep = _replay(
+    hist, unread = _history(found, state, branch)
+    # 3. replay
+    rep, fp8_section = _replay(
         found,
         cfg,
         cfg_reason,
         problems,
+        state.scaler,
         precision=replay_precision,
         dev=dev,
         batches=batches,
         data_file=data_file,
         trust_code=trust_code,
     )
-    fp8_section = _fp8_of(rep)
-    if rep["ran"]:
+    if rep.ran:
         problems += replay_problems(rep) + fp8_problems(fp8_section)
-
-    settings = _settings(found, cfg, state["scaler"])
+    # 4. the verdict on the whole run: history, the other checkpoints, the scaler's record
+    settings = _settings(found, cfg, state.scaler, hist)
+    own = _facts(found, state, problems) if _has_checkpoint(found) else None
+    j = judge(
+        own=own,
+        siblings=_sibling_facts(found, trust_code),
+        problems=problems + unread,
+        h=hist,
+        scaler=state.scaler,
+        rep=rep if rep.ran else None,
+        lr=settings.lr,
+        scaled=settings.scaled,
+    )
+    # 5. what to change, and where to resume
     who = integration_of(found)
     terms = _INTEGRATION_TERMS.get(who or "", "state-dict") if who else found.format
     recs = recommend(
@@ -347,27 +438,15 @@ def _diagnose(
         list(found.fp32_modules),
         state,
         hist,
-        rep if rep["ran"] else None,
-        problems,
+        rep if rep.ran else None,
+        j,
         bf16_supported(dev),
         fp8=fp8_section,
     )
-    own_bad = sorted({p["kind"] for p in problems if p["kind"] in STATE_KINDS})
-    checkpoints = []
-    if found.raw is not None or found.weights or found.optimizer is not None:
-        checkpoints.append(
-            {
-                "path": str(found.path),
-                "step": found.step,
-                "healthy": not own_bad,
-                "problems": own_bad,
-            }
-        )
-    checkpoints += _sibling_health(found, trust_code)
-    healthy = [c["path"] for c in checkpoints if c["healthy"]]
-    resume_ck = healthy[0] if healthy else None
-    command = resume_command(terms, resume_ck, recs, len(checkpoints))
-    if who is not None and not checkpoints:
+    healthy = any(c.healthy for c in j.checkpoints)
+    before = j.verdict.first_bad_step if healthy else None
+    command = resume_command(terms, j.resume, recs, len(j.checkpoints), before)
+    if who is not None and not j.checkpoints:
         command = (
             f"no checkpoint in the run folder: rerun your loop ({who} integration) from your "
             "own last checkpoint, with the changes above"
@@ -378,12 +457,10 @@ def _diagnose(
         history=hist,
         replay=rep,
         fp8=fp8_section,
-        problems=problems,
+        problems=j.problems,
         recommendations=recs,
-        checkpoints=checkpoints,
-        resume={
-            "checkpoint": resume_ck,
-            "command": command,
-        },
+        checkpoints=j.checkpoints,
+        resume=Resume(j.resume, command, j.resume_why),
         branch=branch,
+        verdict=j.verdict,
     )

@@ -1,46 +1,47 @@
-"""Part 4 of a diagnosis: what to change, in ampctl's terms and in the user's own.
+"""Part 5 of a diagnosis: what to change, in ampctl's terms and in the user's own.
 
 Each recommendation is an ampctl override (``optim.lr=0.0005``) with its reason and, for a
 checkpoint written by another tool, the same change in that tool's terms (``yours``):
 ``TrainingArguments`` names for the HF Trainer, the ``Trainer``/plugin arguments for Lightning,
 ``Accelerator``/``GradScaler`` arguments for Accelerate and plain loops, ``ds_config`` keys for
-DeepSpeed. The recommended ``init_scale`` is :func:`ampctl.amp.formats.recommended_init_scale`
-(S* = 65504 / max|g| rounded down to a power of two, halved as a margin), the one definition
-``sweep-scale`` uses too. Pure functions of the report's parts.
+DeepSpeed. Which changes follow from the verdict's cause (:mod:`.verdict`): an lr divergence
+lowers the lr by the factor the history gives (and warms it up or clips), a module whose forward
+or backward leaves fp16's range runs in fp32 (or the run in bf16), a collapsed scale gets the fix
+of its cause, an overflow storm of unknown cause the guard's rollback. The recommended
+``init_scale`` is :func:`ampctl.amp.formats.recommended_init_scale` (S* = 65504 / max|g| rounded
+down to a power of two, halved as a margin), the one definition ``sweep-scale`` uses too. Pure
+functions of the stages' records.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ampctl.amp.scaler import ScalerConfig
 
 from .common import plain
 from .fp8 import fp8_findings
+from .stages import Fp8Section, History, Recommendation, Replay, StateHealth
+from .verdict import Judgement
 
 DEFAULT_MAX_SCALE = ScalerConfig.max_scale  # LossScaler's default ceiling (2^24)
 
 __all__ = ["recommend", "yours", "resume_command", "resume_overrides", "Settings"]
 
 
+@dataclass
 class Settings:
     """The run's settings that recommendations start from (None: not recorded)."""
 
-    def __init__(
-        self,
-        *,
-        lr: float | None,
-        clip: float | None,
-        clip_known: bool,
-        fp32_modules: list[str],
-        growth_interval: int | None,
-    ) -> None:
-        self.lr = lr
-        self.clip = clip
-        self.clip_known = clip_known
-        self.fp32_modules = fp32_modules
-        self.growth_interval = growth_interval
+    lr: float | None
+    clip: float | None
+    clip_known: bool
+    fp32_modules: list[str] = field(default_factory=list)
+    growth_interval: int | None = None
+    warmup_steps: int | None = None
+    scaled: bool = True  # the run had a loss scaler (fp16), or a check of non-finite steps
 
 
 # ---------------------------------------------------------------------------- user's terms
@@ -87,6 +88,44 @@ def yours(fmt: str, override: str) -> str | None:
             "accelerate": f"Accelerator(kwargs_handlers=[GradScalerKwargs(growth_interval={value})])",
             "deepspeed": f'ds_config "fp16": {{"loss_scale_window": {value}}}',
         }.get(fmt, _gradscaler(f"growth_interval={value}"))
+    if key == "optim.warmup_steps":
+        return {
+            "hf-trainer": f"TrainingArguments(warmup_steps={value})",
+            "lightning": "a warmup scheduler in configure_optimizers: torch.optim.lr_scheduler."
+            f"LinearLR(optimizer, start_factor=0.01, total_iters={value}), interval 'step'",
+            "deepspeed": f'ds_config "scheduler": {{"type": "WarmupLR", "params": '
+            f'{{"warmup_num_steps": {value}}}}}',
+        }.get(
+            fmt,
+            f"torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters={value})",
+        )
+    if key == "guard.rollback_after":
+        return {
+            "hf-trainer": f'protect_trainer(trainer, run_dir=..., guard={{"rollback_after": {value}}})'
+            " (ampctl.integrations.transformers)",
+            "lightning": f'AmpctlCallback(run_dir, precision="fp16", guard={{"rollback_after": '
+            f"{value}}}) (ampctl.integrations.lightning)",
+            "accelerate": "install_scaler(accelerator) and protected_run(accelerator, model, "
+            f'optimizer, guard={{"rollback_after": {value}}}) (ampctl.integrations.accelerate)',
+        }.get(
+            fmt,
+            f'ProtectedRun(model, optimizer, LossScaler(), guard={{"rollback_after": {value}}}) '
+            "around your loop (ampctl.integrations): a storm rolls back to the last good state",
+        )
+    if key == "guard.enabled":
+        return {
+            "hf-trainer": "protect_trainer(trainer) (ampctl.integrations.transformers): its "
+            "LossScaler skips a step whose gradients are not finite, in bf16 and fp32 too",
+            "lightning": "AmpctlCallback(run_dir) (ampctl.integrations.lightning): its "
+            "LossScaler skips a step whose gradients are not finite, in bf16 and fp32 too",
+            "accelerate": "install_scaler(accelerator) (ampctl.integrations.accelerate): a "
+            "LossScaler that skips a step whose gradients are not finite, in bf16 and fp32 too",
+        }.get(
+            fmt,
+            "ampctl.amp.LossScaler(enabled=False) around optimizer.step (scaler.step(optimizer); "
+            "scaler.update()): no scaling in bf16/fp32, but a step whose gradients are not "
+            "finite is skipped",
+        )
     if key == "precision.fp32_modules":
         mods = value.strip("[]")
         return (
@@ -104,80 +143,204 @@ def yours(fmt: str, override: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------- rules
+def _module_of(param: str) -> str:
+    """The module a parameter belongs to (``a.b.weight`` -> ``a.b``)."""
+    return param.rsplit(".", 1)[0] if "." in param else param
+
+
 def _fp32_modules(
-    rep: dict[str, Any] | None, hist: dict[str, Any] | None, exempted: list[str]
+    rep: Replay | None, hist: History | None, in_fp32: list[str], j: Judgement
 ) -> tuple[list[str], bool]:
-    """Modules to move to fp32 (the replay's first overflowing one, what the guard promoted)
-    and whether the overflow persists whatever is exempted."""
+    """Modules to move to fp32 -- the replay's first overflowing one (forward or backward), what
+    the guard promoted, the modules of the parameters an overflow storm named -- and whether the
+    overflow persists whatever runs in fp32."""
     new: list[str] = []
     persistent = False
-    fb = rep["forward_first_bad"] if rep else None
-    if fb is not None and fb["fp32_finite"]:
-        if fb["module"] == "<model>" or fb["module"] in exempted:
+    kinds = {p.kind for p in j.problems}
+    fb = rep.forward_first_bad if rep else None
+    if fb is not None and fb.fp32_finite:
+        if fb.module == "<model>" or fb.module in in_fp32:
             persistent = True  # the module cannot be isolated, or is fp32 already
         else:
-            new.append(fb["module"])
+            new.append(fb.module)
+    bb = rep.backward_first_bad if rep else None
+    if bb is not None and "backward_nonfinite" in kinds and bb.module not in in_fp32:
+        if bb.module == "<model>":
+            persistent = True
+        else:
+            new.append(bb.module)
     if hist is not None:
-        new += [m for m in hist["promotions"] if m not in new]
+        undone = {
+            str(e.data.get("module")) for e in hist.guard_events if e.kind == "promotion_undone"
+        }
+        new += [m for m in hist.promotions if m not in new and m not in undone]
+    if "overflow_storm" in kinds and rep is None and not new and j.storm_params:
+        new += list(dict.fromkeys(_module_of(p) for p in j.storm_params))
     return new, persistent
+
+
+@dataclass
+class _Recs:
+    fmt: str
+    out: list[Recommendation] = field(default_factory=list)
+
+    def add(self, override: str, reason: str) -> None:
+        key = override.split("=", 1)[0]
+        if all(r.key != key for r in self.out):
+            self.out.append(Recommendation(override, reason, yours(self.fmt, override)))
 
 
 def recommend(
     fmt: str,
     settings: Settings,
     precision: str | None,
-    exempted: list[str],
-    state: dict[str, Any],
-    hist: dict[str, Any] | None,
-    rep: dict[str, Any] | None,
-    problems: list[dict[str, Any]],
+    in_fp32: list[str],
+    state: StateHealth,
+    hist: History | None,
+    rep: Replay | None,
+    j: Judgement,
     bf16_ok: bool,
     *,
-    fp8: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """The recommendations, rule by rule (numbered below); ``fp8``: the report's fp8 section."""
-    recs: list[dict[str, Any]] = []
-    kinds = {p["kind"] for p in problems}
-    scaler = state["scaler"]
-
-    def add(override: str, reason: str) -> None:
-        key = override.split("=", 1)[0]
-        if all(r["override"].split("=", 1)[0] != key for r in recs):
-            recs.append({"override": override, "reason": reason, "yours": yours(fmt, override)})
-
-    # 1) fp32 modules: the replay's first overflowing module, and what the guard promoted
-    new, persistent = _fp32_modules(rep, hist, exempted)
+    fp8: Fp8Section | None = None,
+) -> list[Recommendation]:
+    """The recommendations, rule by rule (numbered below), from the verdict ``j``."""
+    recs = _Recs(fmt)
+    kinds = {p.kind for p in j.problems}
+    # 1) lr: a divergence lowers it by the history's factor; exploding updates halve it
+    _lr_rules(recs, settings, kinds, j)
+    # 2) fp32 modules: the replay's first overflowing module (forward or backward), what the
+    #    guard promoted, the modules of the parameters a storm named
+    new, persistent = _fp32_modules(rep, hist, in_fp32, j)
     if new:
-        mods = list(dict.fromkeys(settings.fp32_modules + exempted + new))
+        mods = list(dict.fromkeys(settings.fp32_modules + in_fp32 + new))
         one = len(new) == 1
-        add(
-            f"precision.fp32_modules=[{','.join(mods)}]",
-            f"{', '.join(new)} overflow{'s' if one else ''} in fp16: run {'it' if one else 'them'}"
-            " in fp32, keep the rest in fp16",
+        where = "backward" if "backward_nonfinite" in kinds and not rep.forward_first_bad else ""
+        add_reason = (
+            f"{', '.join(new)} overflow{'s' if one else ''} in fp16"
+            + (f" (in the {where} pass)" if where else "")
+            + f": run {'it' if one else 'them'} in fp32, keep the rest in fp16"
         )
-    # 2) bf16: forward overflows that fp32 modules do not cure, or a scale that cannot go lower
+        recs.add(f"precision.fp32_modules=[{','.join(mods)}]", add_reason)
+    # 3) bf16: forward overflows that fp32 modules do not cure, a backward that leaves fp16's
+    #    range, a scale that collapsed on persistent overflow, or that cannot go lower
+    _bf16_rules(recs, rep, hist, state, kinds, j, precision, bf16_ok, persistent)
+    if hist is not None and hist.fallbacks and hist.fallbacks[-1].to:
+        last = hist.fallbacks[-1]
+        recs.add(f"precision={last.to}", f"the guard fell back to {last.to} at step {last.step}")
+    # 4) fp8: keep the layers with too little headroom out of fp8 (the config key the plugin
+    #    excludes layers with); bf16 when a cast went non-finite or half the layers are tight
+    _fp8_rules(fp8, recs.add, bf16_ok)
+    # 5) loss scale: underflow / overflow at the checkpoint's scale (not when the scale
+    #    collapsed: the run resumes from before it)
+    _scale_rules(recs, rep, kinds, j, settings)
+    # 6) a storm whose cause the record does not show, or steps the run applied although they
+    #    were not finite: the guard (rollback after overflows in a row; skip non-finite steps)
+    if "overflow_storm" in kinds and not new and fmt != "ampctl":
+        recs.add(
+            "guard.rollback_after=3",
+            "roll back to the last good state after 3 overflows in a row (and cut the scale), "
+            "instead of skipping on at a falling scale",
+        )
+    if kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled:
+        recs.add(
+            "guard.enabled=true",
+            "the run applied an update whose gradients were not finite (no scaler checked them): "
+            "skip such steps",
+        )
+    return recs.out
+
+
+def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) -> None:
+    if j.lr is not None and settings.lr is not None:
+        factor, why = j.lr
+        recs.add(
+            f"optim.lr={plain(_round(settings.lr / factor))}",
+            f"the learning rate made the run diverge: {why}; lower it {factor:.3g}x",
+        )
+        d = j.course.departure
+        if d is not None and d.never_improved and not settings.warmup_steps:
+            recs.add(
+                f"optim.warmup_steps={max(10, 2 * d.step)}",
+                "the loss rose at the first updates: ramp the learning rate up",
+            )
+    exploding = {
+        "nonfinite_optimizer_state",
+        "extreme_optimizer_state",
+        "grad_norm_explosion",
+        "forward_nonfinite_fp32",
+        "backward_nonfinite_fp32",
+    }
+    unchecked = kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled
+    if kinds & exploding and settings.lr is not None and not unchecked:
+        recs.add(
+            f"optim.lr={plain(settings.lr / 2)}",
+            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too): halve "
+            "the learning rate",
+        )
+    if (
+        kinds & (exploding | {"lr_divergence"})
+        and (settings.lr is not None or j.lr)
+        and not unchecked
+    ):
+        if not settings.clip_known:
+            recs.add(
+                "optim.clip_grad_norm=1.0", "clip the gradient norm to 1.0 if you do not already"
+            )
+        elif settings.clip is None or settings.clip > 1.0:
+            recs.add(
+                "optim.clip_grad_norm=1.0", "clip the gradient norm to 1.0 (the BERT-Large recipe)"
+            )
+
+
+def _round(x: float) -> float:
+    """Two significant digits: 0.03, 0.00015."""
+    if not (math.isfinite(x) and x > 0):
+        return x
+    digits = 1 - math.floor(math.log10(x))
+    return round(x, digits)
+
+
+def _bf16_rules(
+    recs: _Recs,
+    rep: Replay | None,
+    hist: History | None,
+    state: StateHealth,
+    kinds: set[str],
+    j: Judgement,
+    precision: str | None,
+    bf16_ok: bool,
+    persistent: bool,
+) -> None:
+    scaler = state.scaler
     fwd_count = max(
-        (scaler or {}).get("forward_overflows") or 0, hist["forward_overflows"] if hist else 0
+        (scaler.forward_overflows if scaler else 0) or 0, hist.forward_overflows if hist else 0
     )
-    fb = rep["forward_first_bad"] if rep else None
-    if (fb is not None and fb["fp32_finite"] and fwd_count >= 2) or "nonfinite_loss" in kinds:
+    fb = rep.forward_first_bad if rep else None
+    why = None
+    if (fb is not None and fb.fp32_finite and fwd_count >= 2) or "nonfinite_loss" in kinds:
         persistent = True
-    low_range = precision in ("fp16", "fp16-pure")
-    if (persistent or kinds & {"scale_at_floor", "scale_collapsed"}) and low_range and bf16_ok:
-        add(
-            "precision=bf16",
-            "forward overflows persist in fp16: bf16 has fp32's range (no loss scaling needed)",
+    if persistent:
+        why = "forward overflows persist in fp16: bf16 has fp32's range (no loss scaling needed)"
+    elif "backward_nonfinite" in kinds:
+        why = "or run in bf16: it has fp32's range, so the backward stays finite"
+    elif j.collapse == "overflow" and "lr_divergence" not in kinds:
+        why = (
+            "the scale collapsed on persistent overflow: bf16 has fp32's range (no loss "
+            "scaling needed)"
         )
-    if hist is not None and hist["fallbacks"] and hist["fallbacks"][-1]["to"]:
-        last = hist["fallbacks"][-1]
-        add(
-            f"precision={last['to']}", f"the guard fell back to {last['to']} at step {last['step']}"
+    if why and precision in ("fp16", "fp16-pure") and bf16_ok:
+        recs.add("precision=bf16", why)
+
+
+def _scale_rules(
+    recs: _Recs, rep: Replay | None, kinds: set[str], j: Judgement, settings: Settings
+) -> None:
+    g = rep.gradients if rep else None
+    if j.collapse == "floor" and g is not None:
+        recs.add(
+            f"scaler.min_scale={plain(min(1.0, g.recommended_init_scale))}",
+            f"the floor is above S* = {g.ideal_scale:.4g}: let the scale go low enough",
         )
-    # 2b) fp8: keep the layers with too little headroom out of fp8 (the config key the plugin
-    #     excludes layers with); bf16 when a cast went non-finite or half the layers are tight
-    _fp8_rules(fp8, add, bf16_ok)
-    # 3) loss scale
-    g = rep["gradients"] if rep else None
     if g is not None and ({"gradient_underflow", "backward_overflow"} & kinds):
         why = (
             "gradients underflow at the current scale"
@@ -185,61 +348,42 @@ def recommend(
             else "gradients overflow at the current scale"
         )
         # past the run's ceiling only for underflow (overflow never needs a larger scale)
-        rec = g["recommended_init_scale"]
-        if "gradient_underflow" in kinds and g["recommended_init_scale_unbounded"] > g["max_scale"]:
-            rec = g["recommended_init_scale_unbounded"]
-        add(
+        rec = g.recommended_init_scale
+        if "gradient_underflow" in kinds and g.recommended_init_scale_unbounded > g.max_scale:
+            rec = g.recommended_init_scale_unbounded
+        if j.collapse == "floor":  # the floor is the problem: below it
+            rec = g.recommended_init_scale_unbounded
+        recs.add(
             f"scaler.init_scale={plain(rec)}",
-            f"{why}: S* = 65504 / max|g| = 65504 / {g['max_abs']:.4g} = {g['ideal_scale']:.4g}, "
+            f"{why}: S* = 65504 / max|g| = 65504 / {g.max_abs:.4g} = {g.ideal_scale:.4g}, "
             "rounded down to a power of two and halved",
         )
-        if rec > g["max_scale"]:
-            add(
+        if rec > g.max_scale:
+            recs.add(
                 f"scaler.max_scale={plain(max(rec, DEFAULT_MAX_SCALE))}",
-                f"the run's max_scale {g['max_scale']:g} holds the scale below S*",
+                f"the run's max_scale {g.max_scale:g} holds the scale below S*",
             )
     if "overflow_after_growth" in kinds and settings.growth_interval:
-        add(
+        recs.add(
             f"scaler.growth_interval={settings.growth_interval * 4}",
             "the scale keeps growing into overflow: grow 4x less often",
         )
-    # 4) optimizer: exploding updates
-    diverged = {
-        "nonfinite_optimizer_state",
-        "extreme_optimizer_state",
-        "grad_norm_explosion",
-        "forward_nonfinite_fp32",
-        "scale_at_floor",
-        "nonfinite_grad_norm",
-        "scale_collapsed",
-    }
-    if kinds & diverged and settings.lr is not None:
-        add(
-            f"optim.lr={plain(settings.lr / 2)}",
-            "updates diverged (optimizer state, grad norm, or overflow at the scale's floor): "
-            "halve the learning rate",
-        )
-        if not settings.clip_known:
-            add("optim.clip_grad_norm=1.0", "clip the gradient norm to 1.0 if you do not already")
-        elif settings.clip is None or settings.clip > 1.0:
-            add("optim.clip_grad_norm=1.0", "clip the gradient norm to 1.0 (the BERT-Large recipe)")
-    return recs
 
 
-def _fp8_rules(fp8: dict[str, Any] | None, add: Any, bf16_ok: bool) -> None:
+def _fp8_rules(fp8: Fp8Section | None, add: Callable[[str, str], None], bf16_ok: bool) -> None:
     bad = fp8_findings(fp8)
     if not bad:
         return
-    names = [m["name"] for m in bad]
-    patterns = list(dict.fromkeys([*fp8["exclude"], *names]))
+    names = [m.name for m in bad]
+    patterns = list(dict.fromkeys([*fp8.exclude, *names]))
     first = bad[0]
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
     add(
         f"precision.fp8_exclude=[{','.join(patterns)}]",
-        f"{first['name']}{more}: {first['findings'][0]}; keep {'it' if len(bad) == 1 else 'them'}"
+        f"{first.name}{more}: {first.findings[0]}; keep {'it' if len(bad) == 1 else 'them'}"
         " out of fp8 (bf16, as the guard's demotion does), the other layers stay in fp8",
     )
-    if bf16_ok and (any(m["nonfinite"] for m in bad) or 2 * len(bad) >= len(fp8["layers"])):
+    if bf16_ok and (any(m.nonfinite for m in bad) or 2 * len(bad) >= len(fp8.layers)):
         add(
             "precision=bf16",
             "fp8 casts went non-finite or half the fp8 layers lack headroom: fall back to bf16 "
@@ -247,32 +391,40 @@ def _fp8_rules(fp8: dict[str, Any] | None, add: Any, bf16_ok: bool) -> None:
         )
 
 
-def resume_overrides(recs: list[dict[str, Any]]) -> list[str]:
+def resume_overrides(recs: list[Recommendation]) -> list[str]:
     """Overrides that take effect on ``ampctl train --resume`` (precision and scaler state come
     from the checkpoint there)."""
     return [
-        r["override"]
+        r.override
         for r in recs
-        if r["override"].startswith(("precision.fp32_modules=", "precision.fp8_exclude=", "optim."))
+        if r.override.startswith(("precision.fp32_modules=", "precision.fp8_exclude=", "optim."))
     ]
 
 
 def resume_command(
-    fmt: str, checkpoint: str | None, recs: list[dict[str, Any]], checked: int = 1
+    fmt: str,
+    checkpoint: str | None,
+    recs: list[Recommendation],
+    checked: int = 1,
+    before: int | None = None,
 ) -> str:
-    """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line)."""
+    """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line).
+    ``before``: the first sign of trouble, when no checkpoint was written before it."""
+    none = (
+        f"no checkpoint was written before the first sign of trouble (step {before})"
+        if before is not None
+        else f"no healthy checkpoint among the {checked} checked"
+    )
     if fmt == "ampctl":
         if checkpoint is None:
+            short = "none before the trouble" if before is not None else "no healthy checkpoint"
             return (
-                " ".join(["ampctl train", *[r["override"] for r in recs]])
-                + "   # no healthy checkpoint: start afresh"
+                " ".join(["ampctl train", *[r.override for r in recs if r.override]])
+                + f"   # {short}: start afresh"
             )
         return " ".join(["ampctl train --resume", checkpoint, *resume_overrides(recs)])
     if checkpoint is None:
-        return (
-            f"no healthy checkpoint among the {checked} checked: start afresh with the changes "
-            "above"
-        )
+        return f"{none}: start afresh with the changes above"
     return {
         "hf-trainer": f'trainer.train(resume_from_checkpoint="{checkpoint}")',
         "lightning": f'trainer.fit(model, ckpt_path="{checkpoint}")',

@@ -53,8 +53,9 @@ from ampctl.errors import UsageError, first_line
 
 from .common import finite
 from .fp8 import fp8_layers
+from .stages import FirstBad, Fp8Section, Gradients, ModuleRow, Replay, ScalerState
 
-__all__ = ["ReplayInput", "ReplaySkipped", "run_replay", "skipped"]
+__all__ = ["ReplayInput", "ReplaySkipped", "run_replay", "skipped", "replay_scale"]
 
 _HIST_OFFSET = 160  # frexp exponents of finite fp32 values lie in [-148, 128]
 _HIST_BINS = 300
@@ -79,7 +80,7 @@ class ReplayInput:
     accum: int = 1
     seed: int = 0
     fp32_modules: list[str] = field(default_factory=list)
-    exempt: list[str] = field(default_factory=list)
+    in_fp32: list[str] = field(default_factory=list)  # the modules the checkpoint ran in fp32
     data: str = "the run's next batches"
     options: dict[str, Any] = field(default_factory=dict)  # plugin options (fp8 recipe ...)
     precision_state: dict[str, Any] | None = None  # the checkpoint's (fp8 demotions)
@@ -87,8 +88,8 @@ class ReplayInput:
     fp8_under_threshold: float = 0.01
 
 
-def skipped(reason: str, precision: str | None, device: torch.device | str) -> dict[str, Any]:
-    return {"ran": False, "reason": reason, "precision": precision, "device": str(device)}
+def skipped(reason: str, precision: str | None, device: torch.device | str) -> Replay:
+    return Replay(ran=False, reason=reason, precision=precision, device=str(device))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -144,16 +145,8 @@ def _bad_backward(t: ModuleTrace) -> bool:
     return t.nan or t.posinf or t.neginf  # no gradient is -inf on purpose
 
 
-def _where(t: ModuleTrace, batch: int, position: int) -> dict[str, Any]:
-    return {
-        "module": t.name,
-        "batch": batch,
-        "position": position,
-        "nan": t.nan,
-        "posinf": t.posinf,
-        "neginf": t.neginf,
-        "dtype": t.dtype,
-    }
+def _where(t: ModuleTrace, batch: int, position: int, fp32_finite: bool | None = None) -> FirstBad:
+    return FirstBad(t.name, batch, position, t.nan, t.posinf, t.neginf, t.dtype, fp32_finite)
 
 
 def _params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -177,28 +170,57 @@ def _loss(model: nn.Module, b: dict[str, torch.Tensor], autocast: Any, out: list
 
 
 # ---------------------------------------------------------------------------- the passes
-def _reference_pass(inp: ReplayInput) -> dict[str, Any]:
+@dataclass
+class _Reference:
+    """What the fp32 pass found, per batch (device values until the one read)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    module_bad: list[bool] = field(default_factory=list)
+    bwd: list[list[ModuleTrace]] = field(default_factory=list)
+    figs: list[torch.Tensor] = field(default_factory=list)
+    # zeros among the fp32 activation gradients: structural (e.g. unlabelled masked-LM
+    # positions), the baseline the fp16 pass's underflow is measured against
+    act_zeros: ActGradCounter = field(
+        default_factory=lambda: ActGradCounter(dtypes=(torch.float32,))
+    )
+
+
+@dataclass
+class _LowPass:
+    """What the pass in the run's precision found, over every batch."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    modules: dict[str, ModuleRow] = field(default_factory=dict)
+    masked: list[str] = field(default_factory=list)
+    fwd_first: tuple[ModuleTrace, int] | None = None
+    bwd_first: FirstBad | None = None
+    low_grad_modules: set[str] = field(default_factory=set)
+    act_scaled_max: float = 0.0
+    figs: list[torch.Tensor] = field(default_factory=list)
+    nonfinite_params: list[str] = field(default_factory=list)
+    act: ActGradCounter = field(default_factory=ActGradCounter)  # fp16 activation gradients
+    fp8_probe: Any = None
+
+
+def _reference_pass(inp: ReplayInput) -> _Reference:
     """fp32: true gradients, and whether the forward is finite without low precision."""
-    model, losses, bad, bwds, figs = inp.model, [], [], [], []
+    model, ref = inp.model, _Reference()
     params = [p for _, p in _params(model)]
-    # zeros among the fp32 activation gradients: structural (e.g. unlabelled masked-LM positions),
-    # the baseline the fp16 pass's underflow is measured against
-    zeros = ActGradCounter(dtypes=(torch.float32,))
     for i, b in enumerate(inp.batches):
         model.zero_grad(set_to_none=True)
-        with _seeded(inp.seed + inp.positions[i], inp.device), zeros.hooks(model):
+        with _seeded(inp.seed + inp.positions[i], inp.device), ref.act_zeros.hooks(model):
             fwd, bwd = trace_modules(
                 model,
-                lambda b=b: _loss(model, b, contextlib.nullcontext, losses, inp.accum),
+                lambda b=b: _loss(model, b, contextlib.nullcontext, ref.losses, inp.accum),
                 backward=True,
             )
-        bad.append(first_bad(fwd) is not None)
-        bwds.append(bwd)
-        figs.append(
+        ref.module_bad.append(first_bad(fwd) is not None)
+        ref.bwd.append(bwd)
+        ref.figs.append(
             _grad_figures([p.grad for p in params if p.grad is not None], inp.scale, inp.device)
         )
     model.zero_grad(set_to_none=True)
-    return {"losses": losses, "module_bad": bad, "bwd": bwds, "figs": figs, "act_zeros": zeros}
+    return ref
 
 
 def _prepare_policy(inp: ReplayInput) -> tuple[Precision, list[str]]:
@@ -208,16 +230,16 @@ def _prepare_policy(inp: ReplayInput) -> tuple[Precision, list[str]]:
         device_type=inp.device.type,
         options=inp.options,
     )
-    exempted: list[str] = []
+    in_fp32: list[str] = []
     try:
-        if inp.precision == "fp8":  # as the trainer: convert, demote again, then exempt
+        if inp.precision == "fp8":  # as the trainer: convert, demote again, then fp32
             policy.prepare(inp.model)
             policy.restore(inp.model, inp.precision_state or {})
-            exempted = [n for n in inp.exempt if policy.to_fp32(inp.model, n)]
+            in_fp32 = [n for n in inp.in_fp32 if policy.to_fp32(inp.model, n)]
         else:
-            for n in inp.exempt:
+            for n in inp.in_fp32:
                 if policy.to_fp32(inp.model, n):
-                    exempted.append(n)
+                    in_fp32.append(n)
             policy.prepare(inp.model)
     except UsageError as e:  # fp8: torchao missing, a bad recipe or exclusion list
         raise ReplaySkipped(first_line(e)) from None
@@ -225,31 +247,20 @@ def _prepare_policy(inp: ReplayInput) -> tuple[Precision, list[str]]:
         raise ReplaySkipped(
             f"the checkpoint's fp32 modules do not fit the model: {first_line(e)}"
         ) from None
-    exempted = list(dict.fromkeys(list(policy.in_fp32) + exempted))
-    return policy, exempted
+    in_fp32 = list(dict.fromkeys(list(policy.in_fp32) + in_fp32))
+    return policy, in_fp32
 
 
-def _precision_pass(inp: ReplayInput, policy: Precision, low: str) -> dict[str, Any]:
+def _precision_pass(inp: ReplayInput, policy: Precision, low: str) -> _LowPass:
     """The run's precision, with hooks: module headroom, first non-finite forward/backward;
     under fp8 also the cast figures of every fp8 layer (kept on the device)."""
     model = inp.model
     named = _params(model)
-    st: dict[str, Any] = {
-        "losses": [],
-        "modules": {},
-        "masked": [],
-        "fwd_first": None,
-        "bwd_first": None,
-        "low_grad_modules": set(),
-        "act_scaled_max": 0.0,
-        "figs": [],
-        "nonfinite_params": [],
-        "act": ActGradCounter(),  # fp16 activation gradients over every batch of the pass
-    }
+    st = _LowPass()
     with _fp8_probe(inp, policy) as probe:
         for i, b in enumerate(inp.batches):
             _precision_batch(inp, policy, low, st, named, i, b)
-    st["fp8_probe"] = probe
+    st.fp8_probe = probe
     model.zero_grad(set_to_none=True)
     return st
 
@@ -270,7 +281,7 @@ def _precision_batch(
     inp: ReplayInput,
     policy: Precision,
     low: str,
-    st: dict[str, Any],
+    st: _LowPass,
     named: list[tuple[str, nn.Parameter]],
     i: int,
     b: dict[str, torch.Tensor],
@@ -278,41 +289,39 @@ def _precision_batch(
     """Batch ``i`` of the precision pass, its figures added to ``st`` (on the device)."""
     model, scale = inp.model, inp.scale
     model.zero_grad(set_to_none=True)
-    with _seeded(inp.seed + inp.positions[i], inp.device), st["act"].hooks(model):
+    with _seeded(inp.seed + inp.positions[i], inp.device), st.act.hooks(model):
         fwd, bwd = trace_modules(
             model,
-            lambda b=b: _loss(model, b, policy.autocast, st["losses"], inp.accum) * scale,
+            lambda b=b: _loss(model, b, policy.autocast, st.losses, inp.accum) * scale,
             backward=True,
         )
     for t in fwd:
-        m = st["modules"].setdefault(
-            t.name, {"name": t.name, "dtype": t.dtype, "amax": 0.0, "bad": False}
-        )
-        m["amax"] = max(m["amax"], t.amax)
-        m["bad"] = m["bad"] or t.bad
-        if t.neginf and not t.bad and t.name not in st["masked"]:
-            st["masked"].append(t.name)
+        m = st.modules.setdefault(t.name, ModuleRow(t.name, t.dtype, 0.0, False))
+        m.amax = max(m.amax, t.amax)
+        m.bad = m.bad or t.bad
+        if t.neginf and not t.bad and t.name not in st.masked:
+            st.masked.append(t.name)
     fb = first_bad(fwd)
-    if fb is not None and st["fwd_first"] is None:
-        st["fwd_first"] = (fb, i)
+    if fb is not None and st.fwd_first is None:
+        st.fwd_first = (fb, i)
     bb = next((t for t in bwd if _bad_backward(t)), None)
-    if bb is not None and st["bwd_first"] is None:
-        st["bwd_first"] = _where(bb, i, inp.positions[i])
+    if bb is not None and st.bwd_first is None:
+        st.bwd_first = _where(bb, i, inp.positions[i])
     for t in bwd:
         if t.dtype == low:
-            st["low_grad_modules"].add(t.name)
+            st.low_grad_modules.add(t.name)
             if not _bad_backward(t):
-                st["act_scaled_max"] = max(st["act_scaled_max"], t.amax)
+                st.act_scaled_max = max(st.act_scaled_max, t.amax)
     grads = [p.grad for _, p in named if p.grad is not None]
-    st["figs"].append(_grad_figures([g.float() / scale for g in grads], scale, inp.device))
+    st.figs.append(_grad_figures([g.float() / scale for g in grads], scale, inp.device))
     for n in nonfinite_tensor_names((n, p.grad) for n, p in named):
-        if n not in st["nonfinite_params"]:
-            st["nonfinite_params"].append(n)
+        if n not in st.nonfinite_params:
+            st.nonfinite_params.append(n)
 
 
 def _gradients(
-    inp: ReplayInput, ref: dict[str, Any], low: dict[str, Any], ref_vals: list, low_vals: list
-) -> dict[str, Any]:
+    inp: ReplayInput, ref: _Reference, low: _LowPass, ref_vals: list, low_vals: list
+) -> Gradients:
     """Gradient figures over all replayed batches (the fp32 reference: true gradients), and
     the fp16 pass's activation-gradient underflow. **Syncs** (the activation counts)."""
     elems = sum(v[0] for v in ref_vals)
@@ -325,93 +334,96 @@ def _gradients(
     max_act = max(
         (
             t.amax
-            for bwd in ref["bwd"]
+            for bwd in ref.bwd
             for t in bwd
-            if t.name in low["low_grad_modules"] and math.isfinite(t.amax)
+            if t.name in low.low_grad_modules and math.isfinite(t.amax)
         ),
         default=0.0,
     )
     max_abs = max(max_param, max_act)
-    ideal = ideal_scale(max_abs)
     rec = recommended_init_scale(max_abs, min_scale=inp.min_scale, max_scale=inp.max_scale)
-    # the same without the run's bounds: a run pinned low (max_scale=1) needs them raised
-    rec_free = recommended_init_scale(max_abs, min_scale=0.0, max_scale=math.inf)
     act = dict.fromkeys((*ActGradCounter.fractions(None), "act_grad_zero_frac_fp32"))
-    low_counts, ref_counts = low["act"].counts, ref["act_zeros"].counts
+    low_counts, ref_counts = low.act.counts, ref.act_zeros.counts
     if low_counts is not None and ref_counts is not None:  # fp16 activations were counted
         lo, rf = torch.stack([low_counts, ref_counts]).tolist()  # one read
         act.update(ActGradCounter.fractions(lo), act_grad_zero_frac_fp32=rf[0] / rf[2])
     max_scaled = max_abs * inp.scale
     lost = (under - zeros) / nonzero if nonzero > 0 else 0.0
-    return {
-        "scale": inp.scale,
-        "max_abs": max_abs,
-        "max_abs_param": max_param,
-        "max_abs_activation": max_act,
-        "max_scaled": max_scaled,
-        "headroom_log2": math.log2(FP16_MAX / max_scaled) if max_scaled > 0 else math.inf,
-        "max_scaled_replay": max(
-            max((v[3] for v in low_vals), default=0.0) * inp.scale, low["act_scaled_max"]
+    return Gradients(
+        scale=inp.scale,
+        max_abs=max_abs,
+        max_abs_param=max_param,
+        max_abs_activation=max_act,
+        max_scaled=max_scaled,
+        headroom_log2=math.log2(FP16_MAX / max_scaled) if max_scaled > 0 else math.inf,
+        max_scaled_replay=max(
+            max((v[3] for v in low_vals), default=0.0) * inp.scale, low.act_scaled_max
         ),
-        "underflow_frac": under / elems if elems else 0.0,
-        "zero_frac": zeros / elems if elems else 0.0,
-        "zero_frac_replay": sum(v[1] for v in low_vals) / max(sum(v[0] for v in low_vals), 1),
-        "lost_frac": max(lost, 0.0),
-        "lost_frac_at_recommended": _lost_at(hist, nonzero, rec),
-        "ideal_scale": ideal,
-        "recommended_init_scale": rec,
-        "recommended_init_scale_unbounded": rec_free,
-        "max_scale": inp.max_scale,
+        underflow_frac=under / elems if elems else 0.0,
+        zero_frac=zeros / elems if elems else 0.0,
+        zero_frac_replay=sum(v[1] for v in low_vals) / max(sum(v[0] for v in low_vals), 1),
+        lost_frac=max(lost, 0.0),
+        lost_frac_at_recommended=_lost_at(hist, nonzero, rec),
+        ideal_scale=ideal_scale(max_abs),
+        recommended_init_scale=rec,
+        # the same without the run's bounds: a run pinned low (max_scale=1) needs them raised
+        recommended_init_scale_unbounded=recommended_init_scale(
+            max_abs, min_scale=0.0, max_scale=math.inf
+        ),
+        max_scale=inp.max_scale,
         **act,
-        "nonfinite_params": low["nonfinite_params"],
-    }
+        nonfinite_params=low.nonfinite_params,
+    )
 
 
-def run_replay(inp: ReplayInput) -> dict[str, Any]:
-    """Replay ``inp.batches`` in fp32 and in ``inp.precision``; the report's part 3."""
+def run_replay(inp: ReplayInput) -> tuple[Replay, Fp8Section | None]:
+    """Replay ``inp.batches`` in fp32 and in ``inp.precision``: the report's part 3, and its
+    fp8 section for an fp8 replay."""
     t0 = time.perf_counter()
     ref = _reference_pass(inp)
-    policy, exempted = _prepare_policy(inp)
+    policy, in_fp32 = _prepare_policy(inp)
     low_dtype = str(policy.compute_dtype).replace("torch.", "")
     low = _precision_pass(inp, policy, low_dtype)
-    vals = torch.stack(ref["figs"] + low["figs"]).cpu().tolist()  # the one read of the figures
-    ref_vals, low_vals = vals[: len(ref["figs"])], vals[len(ref["figs"]) :]
-    loss_ref = torch.stack(ref["losses"]).double().cpu().tolist()
-    loss_low = torch.stack(low["losses"]).double().cpu().tolist()
+    vals = torch.stack(ref.figs + low.figs).cpu().tolist()  # the one read of the figures
+    ref_vals, low_vals = vals[: len(ref.figs)], vals[len(ref.figs) :]
+    loss_ref = torch.stack(ref.losses).double().cpu().tolist()
+    loss_low = torch.stack(low.losses).double().cpu().tolist()
     fwd_first = None
-    if low["fwd_first"] is not None:
-        t, i = low["fwd_first"]
-        fp32_finite = not ref["module_bad"][i] and math.isfinite(loss_ref[i])
-        fwd_first = {**_where(t, i, inp.positions[i]), "fp32_finite": fp32_finite}
+    if low.fwd_first is not None:
+        t, i = low.fwd_first
+        fp32_finite = not ref.module_bad[i] and math.isfinite(loss_ref[i])
+        fwd_first = _where(t, i, inp.positions[i], fp32_finite)
+    bwd_first = low.bwd_first
+    if bwd_first is not None:  # whether the same batch's fp32 backward was finite
+        bwd_first.fp32_finite = not any(_bad_backward(t) for t in ref.bwd[bwd_first.batch])
     scaled = policy.compute_dtype == torch.float16
     limit = dtype_max(policy.compute_dtype)
-    modules = []
-    for m in low["modules"].values():
-        m["headroom_log2"] = math.log2(limit / m["amax"]) if m["amax"] > 0 else math.inf
-        modules.append(m)
-    return {
-        "ran": True,
-        "reason": None,
-        "precision": inp.precision,
-        "device": str(inp.device),
-        "data": inp.data,
-        "positions": inp.positions,
-        "scale": inp.scale,
-        "limit": limit,
-        "loss": loss_low,
-        "loss_fp32": loss_ref,
-        "modules": modules,
-        "masked_modules": low["masked"],
-        "forward_first_bad": fwd_first,
-        "backward_first_bad": low["bwd_first"],
-        "gradients": _gradients(inp, ref, low, ref_vals, low_vals) if scaled else None,
-        "exempted": exempted,
-        "fp8": _fp8_section(inp, policy, low["fp8_probe"]),
-        "elapsed_s": time.perf_counter() - t0,
-    }
+    for m in low.modules.values():
+        m.headroom_log2 = math.log2(limit / m.amax) if m.amax > 0 else math.inf
+    fp8_section = _fp8_section(inp, policy, low.fp8_probe)
+    replay = Replay(
+        ran=True,
+        reason=None,
+        precision=inp.precision,
+        device=str(inp.device),
+        data=inp.data,
+        positions=inp.positions,
+        scale=inp.scale,
+        limit=limit,
+        loss=loss_low,
+        loss_fp32=loss_ref,
+        modules=list(low.modules.values()),
+        masked_modules=low.masked,
+        forward_first_bad=fwd_first,
+        backward_first_bad=bwd_first,
+        gradients=_gradients(inp, ref, low, ref_vals, low_vals) if scaled else None,
+        exempted=in_fp32,  # the JSON key (report.py) is 'exempted'
+        elapsed_s=time.perf_counter() - t0,
+    )
+    return replay, fp8_section
 
 
-def _fp8_section(inp: ReplayInput, policy: Any, probe: Any) -> dict[str, Any] | None:
+def _fp8_section(inp: ReplayInput, policy: Any, probe: Any) -> Fp8Section | None:
     """The report's ``fp8`` section from the probe of the fp8 pass (None for other
     precisions). **Syncs** once: the probe's rows."""
     if probe is None:
@@ -421,17 +433,17 @@ def _fp8_section(inp: ReplayInput, policy: Any, probe: Any) -> dict[str, Any] | 
     rows = probe.rows().cpu().tolist()
     names = list(probe.names)
     formats = {n: fp8.cast_formats(inp.model.get_submodule(n)) for n in names}
-    return {
-        "ran": True,
-        "reason": None,
-        "recipe": policy.recipe,
-        "exclude": list(policy.exclude),
-        "converted": fp8.converted_layers(inp.model),
-        "demoted": dict(policy.demoted),
-        "excluded": dict(policy.skipped),
-        "sat_threshold": inp.fp8_sat_threshold,
-        "under_threshold": inp.fp8_under_threshold,
-        "layers": fp8_layers(
+    return Fp8Section(
+        ran=True,
+        reason=None,
+        recipe=policy.recipe,
+        exclude=list(policy.exclude),
+        converted=fp8.converted_layers(inp.model),
+        demoted=dict(policy.demoted),
+        excluded=dict(policy.skipped),
+        sat_threshold=inp.fp8_sat_threshold,
+        under_threshold=inp.fp8_under_threshold,
+        layers=fp8_layers(
             names,
             rows,
             fp8.FIELDS,
@@ -439,16 +451,16 @@ def _fp8_section(inp: ReplayInput, policy: Any, probe: Any) -> dict[str, Any] | 
             sat_threshold=inp.fp8_sat_threshold,
             under_threshold=inp.fp8_under_threshold,
         ),
-    }
+    )
 
 
 # ---------------------------------------------------------------------------- inputs
-def replay_scale(scaler: dict[str, Any] | None, precision: str, fallback: float) -> float:
+def replay_scale(scaler: ScalerState | None, precision: str, fallback: float) -> float:
     """The scale the run would use next: the checkpoint's (when it is a usable number), else
     ``fallback`` (the configured init scale). 1.0 for precisions without loss scaling."""
     if make_precision(precision).compute_dtype != torch.float16:
         return 1.0
-    scale = (scaler or {}).get("scale") if (scaler or {}).get("enabled", False) else None
+    scale = scaler.scale if scaler is not None and scaler.enabled else None
     return float(scale) if finite(scale) and scale > 0 else float(fallback)
 
 
@@ -496,6 +508,7 @@ def ampctl_input(
     batches: int,
     data_file: Path | None = None,
     trust_code: bool = False,
+    scaler: ScalerState | None = None,
 ) -> ReplayInput:
     """An ampctl checkpoint's replay: model and data from its (trusted) config. The model's
     dimensions are checked against the checkpoint's tensors and its memory estimated before it
@@ -539,13 +552,13 @@ def ampctl_input(
         positions=positions,
         precision=precision,
         device=device,
-        scale=replay_scale(sc, precision, cfg.scaler.init_scale),
+        scale=replay_scale(scaler, precision, cfg.scaler.init_scale),
         min_scale=float(sc.get("min_scale", cfg.scaler.min_scale)),
         max_scale=float(sc.get("max_scale", cfg.scaler.max_scale)),
         accum=int(cfg.trainer.grad_accum_steps),
         seed=int(cfg.trainer.seed),
         fp32_modules=list(cfg.precision.fp32_modules),
-        exempt=list(found.fp32_modules),
+        in_fp32=list(found.fp32_modules),
         data=label,
         options=cfg.precision.options(),
         precision_state=ck.get("precision") if isinstance(ck.get("precision"), dict) else None,
@@ -609,7 +622,7 @@ def hf_input(
     device: torch.device,
     batches: int,
     data_file: Path | None,
-    scaler: dict[str, Any] | None,
+    scaler: ScalerState | None,
 ) -> ReplayInput:
     """A Hugging Face checkpoint's replay: the model from ``config.json`` (Auto classes,
     ``trust_remote_code=False``, local only) with the checkpoint's weights; synthetic token
@@ -670,7 +683,7 @@ def hf_input(
         positions=list(range(len(batch_list))),
         precision=precision,
         device=device,
-        scale=replay_scale({"enabled": True, **(scaler or {})}, precision, 2.0**16),
+        scale=replay_scale(scaler, precision, 2.0**16),
         data=label,
     )
 

@@ -25,6 +25,7 @@ from ampctl.commands.diagnose import (
     overflow_bursts,
     run_diagnose,
 )
+from ampctl.commands.diagnose.stages import to_json
 from ampctl.config import load_config
 from ampctl.runlog.writers import new_run_dir
 from ampctl.train.checkpoint import FORMAT, latest_checkpoint, list_checkpoints
@@ -154,6 +155,11 @@ def plant(run_dir: Path, edit) -> Path:
     ]
     ck = torch.load(real[-1], weights_only=True)
     edit(ck)
+    # a checkpoint at step 100 applied 100 updates: Adam counts them (diagnose reads skipped
+    # steps from the count)
+    for st in ck["optimizer"]["state"].values():
+        if isinstance(st.get("step"), torch.Tensor):
+            st["step"] = st["step"] + (PLANTED_STEP - ck["step"])
     ck["step"] = PLANTED_STEP
     path = run_dir / "checkpoints" / f"step_{PLANTED_STEP:08d}.pt"
     torch.save(ck, path)
@@ -202,7 +208,13 @@ def test_nan_weight_is_named_and_an_older_checkpoint_is_recommended(run_copy):
         (6, True),
         (3, True),
     ]
-    assert rep["resume"] == {"checkpoint": healthy, "command": f"ampctl train --resume {healthy}"}
+    assert rep["resume"] == {
+        "checkpoint": healthy,
+        "command": f"ampctl train --resume {healthy}",
+        "why": "the newest checkpoint with a healthy state written before this checkpoint, "
+        "whose own state is broken",
+    }
+    assert rep["verdict"]["status"] == "broken" and rep["verdict"]["kind"] == "nonfinite_weights"
     assert run_diagnose(run_copy, 2, None, "cpu", as_json=False, trust_code=True) == 1
 
 
@@ -429,9 +441,17 @@ def test_real_forward_overflow_run_history_and_promotion(tmp_path):
     assert h["bursts"] == [
         {"start": 5, "end": 5, "length": 1, "scale": 1024.0, "after_growth": False}
     ]
-    assert kinds(rep) == ["nan_loss"]
-    assert rep["problems"][0]["message"] == (
-        "the loss became non-finite (forward overflow) at step 5; the guard moved amp to fp32"
+    # the guard cured it: recovered (exit 0), the events named, the promotion made permanent
+    assert kinds(rep) == [] and rep["healthy"]
+    v = rep["verdict"]
+    assert v["status"] == "recovered" and v["kind"] is None
+    assert v["events"] == [
+        "non-finite loss: 1 step skipped at 5",
+        "the guard moved amp to fp32 at step 5",
+    ]
+    assert v["summary"] == (
+        "recovered: non-finite loss: 1 step skipped at 5, the guard moved amp to fp32 at step 5, "
+        "clean since"
     )
     assert rep["checkpoint"]["fp32_modules"] == ["amp"]
     assert [r["override"] for r in rep["recommendations"]] == ["precision.fp32_modules=[amp]"]
@@ -490,17 +510,25 @@ def test_grad_norm_explosion_before_nan_recommends_lower_lr(run_copy):
 def test_overflow_bursts_pure():
     assert overflow_bursts([]) == []
     rows = [(1, 8.0, True), (2, 4.0, True), (3, 2.0, False), (4, 4.0, True)]
-    assert overflow_bursts(rows) == [
+    assert to_json(overflow_bursts(rows)) == [
         {"start": 1, "end": 2, "length": 2, "scale": 8.0, "after_growth": False},
         {"start": 4, "end": 4, "length": 1, "scale": 4.0, "after_growth": True},
     ]
+    # kinds of the scaler's record: 2 forward overflows are overflows, 3 spikes are not
+    assert [b.start for b in overflow_bursts([(1, 8.0, 2), (2, 8.0, 3), (3, 8.0, 1)])] == [1, 3]
 
 
 def test_grad_norm_trend_pure():
     assert grad_norm_trend([(1, 1.0)]) is None
     t = grad_norm_trend([(1, 2.0), (2, 2.0), (3, 4.0), (4, 2.0), (5, 2.0), (6, 2.0), (7, 19.0)])
-    assert t == {"baseline": 2.0, "peak": 19.0, "peak_step": 7, "ratio": 9.5, "exploded": False}
-    assert grad_norm_trend([(1, 1.0), (2, float("nan")), (3, 10.0)])["exploded"] is True
+    assert to_json(t) == {
+        "baseline": 2.0,
+        "peak": 19.0,
+        "peak_step": 7,
+        "ratio": 9.5,
+        "exploded": False,
+    }
+    assert grad_norm_trend([(1, 1.0), (2, float("nan")), (3, 10.0)]).exploded is True
 
 
 def test_recommended_scale_is_the_one_definition(run_copy):

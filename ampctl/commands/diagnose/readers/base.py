@@ -39,6 +39,8 @@ from ampctl.trust import (
     torch_file_sizes,
 )
 
+from ..stages import Problem
+
 __all__ = [
     "Found",
     "ForeignHistory",
@@ -156,7 +158,7 @@ class Found:
     notes: list[str] = field(default_factory=list)
     siblings: list[Path] = field(default_factory=list)  # other checkpoints, newest first
     raw: dict[str, Any] | None = None  # the loaded ampctl checkpoint (its replay needs it)
-    problems: list[dict[str, Any]] = field(default_factory=list)  # e.g. a refused file
+    problems: list[Problem] = field(default_factory=list)  # e.g. a refused file
 
 
 def install_hint(package: str, extra: str = "diagnose") -> str:
@@ -313,14 +315,10 @@ def load_noting(found: Found, path: Path) -> Any:
         return load_torch(path)
     except PickleRefused as e:
         found.files.append(FileNote(path.name, False, "refused: holds pickled objects"))
-        found.problems.append(
-            {"kind": "refused_file", "severity": "error", "message": str(e), "file": path.name}
-        )
+        found.problems.append(Problem("refused_file", str(e), file=path.name))
     except (ReaderError, FileRefused) as e:
         found.files.append(FileNote(path.name, False, f"unreadable: {first_line(e)}"))
-        found.problems.append(
-            {"kind": "unreadable_file", "severity": "error", "message": str(e), "file": path.name}
-        )
+        found.problems.append(Problem("unreadable_file", str(e), file=path.name))
     return None
 
 

@@ -60,10 +60,15 @@ def read(path: Path) -> Found:
             "pytorch-lightning_version)"
         )
     found = read_loaded(obj, path)
-    found.siblings = siblings or [
-        p for p in _ckpts(path.parent) if p != path and p.stat().st_mtime <= path.stat().st_mtime
-    ]
+    if siblings:
+        found.siblings = siblings
     return found
+
+
+def siblings_of(path: Path) -> list[Path]:
+    """The other ``.ckpt`` files beside one, written before it, newest first."""
+    mine = path.stat().st_mtime
+    return [p for p in _ckpts(path.parent) if p != path and p.stat().st_mtime <= mine]
 
 
 def read_loaded(obj: dict[str, Any], path: Path) -> Found:
@@ -92,6 +97,7 @@ def read_loaded(obj: dict[str, Any], path: Path) -> Found:
             found.precision, found.precision_source = "fp16", f"{key} (GradScaler: 16-mixed)"
             break
     found.files.append(FileNote(path.name, True, "state_dict, optimizer_states, scaler"))
+    found.siblings = siblings_of(path)  # a .ckpt given alone is judged with those beside it
     try:
         found.history = history_beside(path)
     except RunFileError as e:

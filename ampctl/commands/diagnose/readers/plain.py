@@ -7,6 +7,7 @@ that keep the model, optimizer and scaler under their usual names (``model``/``m
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,35 @@ def is_scaler_state(obj: Any) -> bool:
     return (
         isinstance(obj, dict) and "scale" in obj and ("_growth_tracker" in obj or "history" in obj)
     )
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _numbered_peers(path: Path) -> list[tuple[list[int], Path]]:
+    """Files beside ``path`` named as it is but for their numbers, with their numbers."""
+    if not _DIGITS.search(path.name) or not path.parent.is_dir():
+        return []
+    pattern = re.compile("^" + _DIGITS.sub(r"(\\d+)", re.escape(path.name)) + "$")
+    out = []
+    for p in path.parent.iterdir():
+        m = pattern.match(p.name) if p != path and p.is_file() else None
+        if m is not None:
+            out.append(([int(g) for g in m.groups()], p))
+    return out
+
+
+def numbered(path: Path) -> bool:
+    """Whether ``path`` is one of a numbered series (``ckpt_10.pt``, ``ckpt_20.pt``)."""
+    return bool(_numbered_peers(path))
+
+
+def numbered_siblings(path: Path) -> list[Path]:
+    """Files beside ``path`` named as it is but for their numbers (``ckpt_20.pt`` beside
+    ``ckpt_30.pt``), with lower numbers: the same run's earlier checkpoints, newest first."""
+    nums = [int(n) for n in _DIGITS.findall(path.name)]
+    lower = [(key, p) for key, p in _numbered_peers(path) if key < nums]
+    return [p for _, p in sorted(lower, reverse=True)]
 
 
 def _order(sd: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -70,11 +100,13 @@ def from_object(obj: Any, path: Path) -> Found:
                 f"{str(path)!r} holds a {type(obj).__name__}, not a state dict or a dict of "
                 "model/optimizer/scaler states"
             )
-    found = Found(format=STATE_DICT, path=path)
+    found = Found(format=STATE_DICT, path=path, siblings=numbered_siblings(path))
     model = next((obj[k] for k in MODEL_KEYS if isinstance(obj.get(k), dict)), None)
     opt = next((obj[k] for k in OPTIMIZER_KEYS if is_optimizer_state(obj.get(k))), None)
     scaler = next((obj[k] for k in SCALER_KEYS if is_scaler_state(obj.get(k))), None)
-    if model is None and opt is None and is_optimizer_state(obj):
+    if model is None and opt is None and scaler is None and is_scaler_state(obj):
+        scaler = obj  # torch.save(scaler.state_dict())
+    elif model is None and opt is None and is_optimizer_state(obj):
         opt = obj  # torch.save(optimizer.state_dict())
     elif model is None and opt is None and scaler is None:
         model = obj  # torch.save(model.state_dict())
@@ -86,19 +118,20 @@ def from_object(obj: Any, path: Path) -> Found:
     if scaler is not None:
         found.scaler = scaler
         found.scaler_kind = "ampctl" if "history" in scaler else "GradScaler"
-        found.precision, found.precision_source = (
-            "fp16",
-            f"the '{key_of(obj, scaler)}' entry (a loss scaler: fp16)",
-        )
+        where = "the file" if scaler is obj else f"the '{key_of(obj, scaler)}' entry"
+        found.precision, found.precision_source = ("fp16", f"{where} (a loss scaler: fp16)")
     for k in STEP_KEYS:
         v = obj.get(k)
         if isinstance(v, int) and not isinstance(v, bool):
             found.step = v
             break
+    if found.step is None and numbered(path):  # ckpt_20.pt beside ckpt_10.pt: its number
+        found.step = int(_DIGITS.findall(path.name)[-1])
+        found.notes.append(f"step: from the file name ({path.name} records none)")
     parts = [
         n for n, x in (("model", model), ("optimizer", opt), ("scaler", scaler)) if x is not None
     ]
-    if not found.weights and opt is None:
+    if not found.weights and opt is None and scaler is None:
         raise NotACheckpoint(
             f"{str(path)!r} holds no floating tensors, optimizer state or scaler state"
         )
