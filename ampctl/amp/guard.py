@@ -26,6 +26,7 @@ __all__ = [
     "DIVERGENCE_ACTIONS",
     "DivergenceRules",
     "DivergenceWatch",
+    "divergence",
     "divergence_reason",
     "Action",
     "Observation",
@@ -314,16 +315,29 @@ def divergence_reason(
     """Why the rows ``losses`` (oldest first) show a divergence, or None (the rule of
     :class:`DivergenceRules`, a pure function of the numbers). ``start``: the run's first loss,
     before any update (None: unknown)."""
+    found = divergence(losses, rules, start)
+    return None if found is None else found[0]
+
+
+def divergence(
+    losses: list[float], rules: DivergenceRules, start: float | None = None
+) -> tuple[str, float, float, float] | None:
+    """:func:`divergence_reason` with its figures: ``(reason, now, reference, ratio)``, where
+    ``now`` is the median of the last ``patience`` rows the rule judged, ``reference`` the loss
+    it was judged against (the run's first loss, or the lowest median of ``patience`` rows) and
+    ``ratio`` ``now / reference`` (NaN when the last rows are not finite). None: no divergence."""
     k = rules.patience
     if len(losses) < max(k, rules.warmup + 1):
         return None
     last = losses[-k:]
-    if not any(_finite(x) for x in last):
-        return f"the loss is not finite at the last {k} log steps"
-    if not all(_finite(x) for x in last):
-        return None
     finite = [x for x in losses[:-k] if _finite(x)]
     windows = [_median(finite[i : i + k]) for i in range(len(finite) - k + 1)]
+    if not any(_finite(x) for x in last):
+        ref = min(windows, default=math.nan)  # the lowest course, else the first loss
+        ref = start if not _finite(ref) and start is not None and _finite(start) else ref
+        return f"the loss is not finite at the last {k} log steps", math.nan, ref, math.nan
+    if not all(_finite(x) for x in last):
+        return None
     now = _median(last)
     shown = ", ".join(f"{x:.4g}" for x in last)
     if (
@@ -332,26 +346,29 @@ def divergence_reason(
         and 0 < start < min(windows, default=math.inf)
         and now > rules.factor * start
     ):
-        return (
+        why = (
             f"the loss diverged: {shown} at the last {k} log steps, {now / start:.1f}x the loss "
             f"the run started from ({start:.4g}, before its first update)"
         )
+        return why, now, start, now / start
     if not windows:
         return None
     lowest, first = min(windows), windows[0]
     if lowest > 0 and now > rules.factor * lowest:
-        return (
+        why = (
             f"the loss diverged: {shown} at the last {k} log steps, {now / lowest:.1f}x its lowest "
             f"({lowest:.4g}, the median of {k} rows)"
         )
+        return why, now, lowest, now / lowest
     steps = [abs(b - a) for a, b in zip(finite, finite[1:], strict=False)]
     noise = sorted(steps)[len(steps) // 2] if steps else 0.0
     progress = first - lowest
     if progress > 4 * noise and now > lowest + 0.75 * progress and now > 1.5 * lowest:
-        return (
+        why = (
             f"the loss diverged: {shown} at the last {k} log steps gave back "
             f"{(now - lowest) / progress:.0%} of its progress from {first:.4g} down to {lowest:.4g}"
         )
+        return why, now, lowest, now / lowest
     return None
 
 
@@ -364,14 +381,18 @@ class DivergenceWatch:
         self.steps: list[int] = []
         self.good_step = 0  # the step of the last row before a divergence began
         self.start: float | None = None  # the run's first loss, before any update (if known)
+        # the figures of the last divergence found (divergence()): the median of the rows it
+        # judged, the loss it judged them against, their ratio
+        self.judged = self.reference = self.ratio = math.nan
 
     def observe(self, step: int, loss: float) -> Decision:
         """Take one row; a WARN, ROLLBACK or ABORT (stop) decision once the rule holds."""
         self.losses.append(float(loss))
         self.steps.append(int(step))
-        why = divergence_reason(self.losses, self.rules, self.start)
-        if why is None:
+        found = divergence(self.losses, self.rules, self.start)
+        if found is None:
             return Decision(action=Action.CONTINUE)
+        why, self.judged, self.reference, self.ratio = found
         k = self.rules.patience
         self.good_step = self.steps[-k - 1] if len(self.steps) > k else 0
         action = {"stop": Action.ABORT, "rollback": Action.ROLLBACK, "warn": Action.WARN}[

@@ -59,7 +59,7 @@ from ampctl.amp.stats import grad_stats
 from ampctl.protect.figures import DeviceFigures, LogWindow, gather_log_figures
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import ForwardLoss
-from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
 from ampctl.protect.records import metrics_row, run_summary, write_config
 from ampctl.protect.settings import GuardConfig, LoggingConfig
 from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
@@ -555,7 +555,11 @@ class ProtectedRun:
         )
         v = fig.read()  # the log read
         window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        self._apply(self.protection.on_log_read(step, v))
+        diverged = None
+        try:
+            self._apply(self.protection.on_log_read(step, v))
+        except TrainDiverged as e:  # the row the rule held on is written, then the run stops
+            diverged = e
         row = metrics_row(
             v,
             step=step,
@@ -570,6 +574,8 @@ class ProtectedRun:
         self.last_row = row
         assert self.log is not None
         self.log.metrics(row)
+        if diverged is not None:
+            raise diverged
         return row
 
     def _apply(self, rewind: Rewind | None) -> None:

@@ -315,17 +315,13 @@ class Protection(Replays):
         diverging rows began, with the lr cut (else it stops: no good state is kept);
         ``warn`` records it. Each is a ``divergence`` event."""
         watch = self.divergence
-        watch_rows = list(watch.losses) + [loss]  # the course the decision is taken on
         decision = watch.observe(step, loss)
         if decision.action is Action.CONTINUE:
             return None
         since = watch.good_step  # the last row before the diverging ones
-        lowest = min((x for x in watch_rows if math.isfinite(x)), default=math.nan)
-        start = watch.start
-        if start is not None and math.isfinite(start) and not start >= lowest:
-            lowest = start  # the rule held against the run's first loss
-        ratio = loss / lowest if lowest and math.isfinite(lowest) else math.nan
-        extra = {"loss": loss, "min_loss": lowest, "ratio": ratio, "since": since}
+        # the figures the rule judged: its reference (the run's first loss or the lowest median
+        # of `patience` rows) and the ratio of the last rows' median to it, as its reason says
+        extra = {"loss": loss, "min_loss": watch.reference, "ratio": watch.ratio, "since": since}
         snap = self.snapshot
         if decision.action is Action.ROLLBACK and (snap is None or snap.step > since):
             decision = Decision(

@@ -449,7 +449,11 @@ class Trainer:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         self._stop_agreed = vals["stop"] > 0
         window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        rewind = self.protection.on_log_read(self.step, vals)
+        diverged = None
+        try:
+            rewind = self.protection.on_log_read(self.step, vals)
+        except TrainDiverged as e:  # the row the rule held on is written, then the run stops
+            rewind, diverged = None, e
         if rewind is not None:  # a late rollback discarded the interval's steps
             self.apply_rewind(rewind)
             return None
@@ -467,6 +471,8 @@ class Trainer:
         )
         self.last_metrics = row
         self.log.metrics(row)
+        if diverged is not None:
+            raise diverged
         self.protection.after_log(self.step)  # fp8 layer demotions from the probe's figures
         return row
 

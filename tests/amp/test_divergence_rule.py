@@ -88,3 +88,19 @@ def test_the_watch_keeps_its_first_loss_across_a_decision_and_a_checkpoint():
     legacy = DivergenceWatch(RULES)
     legacy.load_state_dict({"losses": [1.0], "steps": [2], "good_step": 0})  # before the start
     assert legacy.start is None and legacy.losses == [1.0]
+
+
+def test_the_figures_are_the_ones_the_reason_names():
+    from ampctl.amp.guard import divergence
+
+    rules = DivergenceRules(factor=5.0, patience=3, warmup=0)
+    rows = [4.0, 3.0, 2.0, 2.2, 2.1, 30.0, 40.0, 50.0]
+    why, now, ref, ratio = divergence(rows, rules)
+    assert (now, ref) == (40.0, 2.1) and ratio == pytest.approx(40.0 / 2.1)
+    assert why == divergence_reason(rows, rules) and f"{ratio:.1f}x its lowest ({ref:.4g}," in why
+    why, now, ref, ratio = divergence([4.0, 30.0, 40.0, 50.0], rules, start=3.9)
+    assert (now, ref) == (40.0, 3.9) and "(3.9, before its first update)" in why
+    assert divergence([4.0, 3.0, 2.0, 2.2, 2.1, 2.0], rules) is None
+    why, now, ref, ratio = divergence([4.0, math.nan, math.nan, math.nan], rules, start=3.9)
+    assert why == "the loss is not finite at the last 3 log steps" and ref == 3.9
+    assert math.isnan(now) and math.isnan(ratio)

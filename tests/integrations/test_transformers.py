@@ -232,4 +232,6 @@ def test_a_diverging_hf_run_is_called_diverged_and_its_healthy_twin_ok(tmp_path,
         and "the loss the run started from" in d["message"]
     )
     assert 3.5 < d["min_loss"] < 4.5 and d["ratio"] > 5  # ln(64) = 4.16: the untrained model
+    last = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]  # the row the rule held on
+    assert last["step"] == 6 and last["loss"] == pytest.approx(d["loss"])
     assert not [e for e in events if e["kind"] == "abort"]

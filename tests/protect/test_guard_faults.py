@@ -159,6 +159,12 @@ def test_a_diverging_run_stops_with_the_reason_and_its_healthy_twin_does_not(fas
     assert res.summary["diverged_since"] == d["since"]
     good = res.summary["last_good_checkpoint"]
     assert good is None or int(good.rsplit("_", 1)[1].split(".")[0]) <= d["since"]
+    # the event's figures are the ones its reason names (the reference and the ratio)
+    assert f"({d['min_loss']:.4g}, " in d["message"] and f"{d['ratio']:.1f}x" in d["message"]
+    # the row the rule held on is the run's last row: the final loss is the one it judged
+    last = read_jsonl(res.run_dir / "metrics.jsonl")[-1]
+    assert last["step"] == d["step"] and last["loss"] == pytest.approx(d["loss"])
+    assert res.summary["final_loss"] == pytest.approx(d["loss"])
 
 
 def test_a_rollback_can_skip_the_batches_that_caused_it(fast_cfg):

@@ -190,7 +190,7 @@ CASES: tuple[Case, ...] = (
          _bad("lr_divergence", None, "optim.lr",
               says="stopped the run at step 24"), twin="own/healthy"),
     Case("own/divergence-rollback", KINDS[10], FORMATS[5], "own-divergence-rollback",
-         _back(None, "the loss diverged at step 30 (1.78x its lowest, 3.183): rolled back to 20, "
+         _back(None, "the loss diverged at step 30 (1.53x its lowest, 3.696): rolled back to 20, "
                "lr x0.5, clean since", {"optim.lr"}), twin="own/healthy"),
     Case("own/rerun-reproducible", KINDS[10], FORMATS[5], "own-rerun-reproducible",
          _back(None, "data or numerics at step 28"), twin="own/healthy",
