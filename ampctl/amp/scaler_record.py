@@ -114,13 +114,19 @@ class StepRecord:
             return None
         return self._rows(self._num_updates)[0, rec.LOSS].double()
 
-    def loss_since(self, update: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_since(
+        self, update: int, *, without_spikes: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum, count)`` of the finite losses recorded after update number ``update`` (at
         most ``history_size`` records back), as 0-dim float64 device tensors: a log interval's
-        loss. No host read."""
+        loss. ``without_spikes``: leave out the losses the spike rule vetoed (a skipped step
+        whose loss was above its threshold: an outlier batch, not the run's course; an
+        overflow's loss stays). No host read."""
         rows = self._rows(self._num_updates - update)
         loss = rows[:, rec.LOSS].double()
         ok = torch.isfinite(loss)
+        if without_spikes:
+            ok = ok & ~((rows[:, rec.SKIPPED] > 0) & (rows[:, rec.LOSS] > rows[:, rec.LOSS_THR]))
         return torch.where(ok, loss, 0.0).sum(), ok.sum().double()
 
     # ------------------------------------------------------------------ observed skips

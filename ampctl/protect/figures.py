@@ -53,6 +53,15 @@ class LogWindow:
             return 0.0, 0.0
         return scaler.loss_since(self.first_update)
 
+    def course_loss(self, scaler: Any) -> tuple[Any, Any] | None:
+        """``(sum, count)`` of the interval's finite losses without the spikes the spike rule
+        skipped (``LossScaler.loss_since(..., without_spikes=True)``): the course the divergence
+        rule judges. None when the losses were handed over (no record of which step each
+        belongs to) or no step was recorded. No host read."""
+        if self.loss_sum is not None or scaler.num_updates <= self.first_update:
+            return None
+        return scaler.loss_since(self.first_update, without_spikes=True)
+
     def state_dict(self) -> dict[str, Any]:
         """CPU copies (a device-to-host copy: call it when checkpointing)."""
         return {
@@ -179,6 +188,10 @@ def gather_log_figures(
     loss_sum, loss_n = window.loss(scaler)
     fig.add("loss_sum", loss_sum, "sum")
     fig.add("loss_n", loss_n, "sum")
+    course = window.course_loss(scaler)  # the divergence rule's course (skipped spikes out)
+    if course is not None:
+        fig.add("course_loss_sum", course[0], "sum")
+        fig.add("course_loss_n", course[1], "sum")
     if stats is not None:
         s, m = ("sum", "max") if sharded else (None, None)
         fig.add("grad_norm_sq", stats["grad_norm"] ** 2, s)

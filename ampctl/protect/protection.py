@@ -295,8 +295,9 @@ class Protection(Replays):
     def on_log_read(self, step: int, values: dict[str, Any]) -> Rewind | None:
         """After the log read of ``step``: new spike thresholds from the window, the waiting
         decisions (:meth:`on_read`: may restore a snapshot, switch precision or raise
-        :class:`TrainAborted`), then the divergence rule on the interval's loss (may raise
-        :class:`TrainDiverged` or roll back). No host read of its own."""
+        :class:`TrainAborted`), then the divergence rule on the interval's loss without the
+        spikes it skipped (may raise :class:`TrainDiverged` or roll back). No host read of its
+        own."""
         self.spike.on_read(values, self.scaler)
         start = values.get("start_loss")
         if start is not None and self.divergence.start is None:  # NaN: no finite first loss
@@ -305,8 +306,14 @@ class Protection(Replays):
         rewind = self.on_read(pending) if pending is not None else None
         if rewind is not None or not (self.enabled and self.config.divergence):
             return rewind
-        n = values.get("loss_n", 0.0)
-        loss = values["loss_sum"] / n if n else math.nan
+        # the run's course: the interval's losses without the spikes it skipped (an outlier
+        # batch is not the course), else -- every loss a spike -- all its finite losses
+        n = values.get("course_loss_n", 0.0)
+        if n:
+            loss = values["course_loss_sum"] / n
+        else:
+            n = values.get("loss_n", 0.0)
+            loss = values["loss_sum"] / n if n else math.nan
         return self._watch_divergence(step, loss)
 
     def _watch_divergence(self, step: int, loss: float) -> Rewind | None:

@@ -78,6 +78,19 @@ def test_a_loss_spike_is_skipped_on_the_device_and_the_run_ends_where_the_clean_
     assert final["unguarded"] > final["guarded"], final  # Adam took the spike: it trains on worse
 
 
+def test_two_spikes_close_together_are_skipped_not_called_a_divergence(fast_cfg):
+    """Two bad batches in neighbouring log rows (steps 38 and 42): both skipped as spikes, and
+    the divergence rule judges the course without the spikes it skipped, so the run
+    goes on to its end (it was stopped as diverged when the rows' losses counted the spikes)."""
+    base = fast_cfg(*SPIKE)
+    bad = [_fp(base, 38), _fp(base, 42)]
+    res, ev = _train(fast_cfg(*SPIKE, f"+model.spike_batches=[{bad[0]},{bad[1]}]"), "two")
+    assert [(e["kind"], e["step"]) for e in ev] == [("spike", 38), ("spike", 42)]
+    assert res.summary["status"] == "ok" and res.summary["steps"] == 48
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert max(r["loss"] for r in rows if r["step"] in (40, 44)) > 1e3  # the rows show them
+
+
 def test_no_spike_is_skipped_in_a_healthy_run(fast_cfg):
     """The healthy twin: the rule is on and active from step 17, and finds nothing."""
     res, ev = _train(fast_cfg(*SPIKE), "healthy")
@@ -163,8 +176,7 @@ def test_a_diverging_run_stops_with_the_reason_and_its_healthy_twin_does_not(fas
     assert f"({d['min_loss']:.4g}, " in d["message"] and f"{d['ratio']:.1f}x" in d["message"]
     # the row the rule held on is the run's last row: the final loss is the one it judged
     last = read_jsonl(res.run_dir / "metrics.jsonl")[-1]
-    assert last["step"] == d["step"] and last["loss"] == pytest.approx(d["loss"])
-    assert res.summary["final_loss"] == pytest.approx(d["loss"])
+    assert last["step"] == d["step"] and res.summary["final_loss"] == last["loss"]
 
 
 def test_a_rollback_can_skip_the_batches_that_caused_it(fast_cfg):
