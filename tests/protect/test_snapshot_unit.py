@@ -5,6 +5,7 @@ values -- in place, by name when a module was swapped, whole when the optimizer 
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,6 +115,9 @@ def test_clone_state_copies_tensors_on_their_device_and_keeps_the_shape_of_the_s
     assert out["t"].data_ptr() != t.data_ptr()
     assert out["obj"] == inner and out["obj"] is not inner and out["obj"]["k"] is not inner["k"]
     assert clone_state(5) == 5
+    other = SimpleNamespace(items=[1, 2])  # anything else: a deep copy
+    got = clone_state({"o": other})["o"]
+    assert got.items == [1, 2] and got is not other and got.items is not other.items
 
 
 def test_without_and_with_tensors_split_and_rebuild_a_state():
