@@ -270,3 +270,74 @@ def test_restore_without_masters_leaves_other_tensors_alone():
     other = torch.full((1,), 5.0)
     s.restore(model, opt, [])
     assert other.item() == 5.0 and s.scale.item() == 8.0
+
+
+def test_restore_by_name_when_the_modules_were_reordered():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = Snapshot()
+    s.take(0, model, opt)
+    want = _state(model, opt)[0]
+    lin = model.lin
+    del model.lin
+    model.lin = lin  # registered again: now after `norm` in the state dict
+    assert list(model.state_dict())[0] == "norm.weight"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    s.restore(model, opt)
+    assert _equal(dict(model.state_dict()), dict(want))
+
+
+def test_optimizer_state_of_the_same_layout_is_restored_into_the_same_tensors():
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    s = Snapshot()
+    s.take(1, model, opt)
+    want = _state(model, opt)[1]
+    live = [id(t) for st in opt.state.values() for t in st.values()]
+    _train(model, opt)
+    s.restore(model, opt)
+    assert [id(t) for st in opt.state.values() for t in st.values()] == live
+    assert _equal(opt.state_dict(), want)
+
+
+def test_optimizer_state_whose_dtype_changed_is_loaded_whole():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt)
+    s = Snapshot()
+    s.take(1, model, opt)
+    want = _state(model, opt)[1]
+    p = model.lin.weight
+    opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].double() * 3
+    s.restore(model, opt)
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float32  # as the optimizer loads it
+    assert _equal(opt.state_dict(), want)
+
+
+def test_host_values_are_deep_copies_both_ways():
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.5)
+    opt.param_groups[0]["tags"] = SimpleNamespace(names=["a"])
+    model = nn.Module()
+    model.p = p
+    s = Snapshot()
+    s.take(0, model, opt)
+    opt.param_groups[0]["tags"].names.append("b")  # changed after the snapshot
+    s.restore(model, opt)
+    assert opt.param_groups[0]["tags"].names == ["a"]
+    opt.param_groups[0]["tags"].names.append("c")  # the restored value is the caller's own
+    s.restore(model, opt)
+    assert opt.param_groups[0]["tags"].names == ["a"]
+
+
+def test_restoring_onto_an_optimizer_with_other_param_groups_is_refused():
+    model = Net()
+    opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    s = Snapshot()
+    s.take(0, model, opt)
+    opt.add_param_group({"params": list(model.norm.parameters()), "lr": 0.2})
+    with pytest.raises(ValueError):
+        s.restore(model, opt)

@@ -110,6 +110,14 @@ def test_on_read_waits_for_min_steps_clean_values():
     assert scaler.spike_thresholds == (INF, INF)  # back off: too few steps to judge
 
 
+def test_on_read_reads_the_window_three_values_a_step():
+    scaler = scaler_with([row()])
+    rule = SpikeRule(window=4, min_steps=2)
+    # zero losses and norms: a window read at any other stride would take them for clean flags
+    rule.on_read(_window([[0.0, 0.0, 4.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]), scaler)
+    assert rule.loss == WindowStats(1.0, 1.0, 2) and rule.norm == WindowStats(2.0, 2.0, 2)
+
+
 def test_on_read_without_the_grad_norm_rule_keeps_its_threshold_off():
     scaler = scaler_with([row()])
     rule = SpikeRule(window=4, min_steps=2, grad_norm=False)
