@@ -229,3 +229,67 @@ def test_the_rng_is_kept_only_when_reruns_are_on():
         loop = Loop(**guard)
         loop.prot.mark_step_start()
         assert loop.prot._rng_at_step is None
+
+
+def test_the_rerun_backs_off_nothing_it_uses_the_steps_own_scale():
+    # 1e6 times the loss overflows fp16 in the backward: the rerun fails as the step did
+    loop = Loop(rerun=True)
+    loop.step()
+    assert loop.prot._rerun(2, [BATCH], row(scale=1e6, skipped=True), rec.GRADIENT) == (
+        "reproducible"
+    )
+    # a precision without loss scaling reruns unscaled, whatever the record says
+    off = Loop("bf16", rerun=True)
+    off.step()
+    assert off.prot._rerun(2, [BATCH], row(scale=1e39, skipped=True), rec.GRADIENT) == ("transient")
+
+
+def test_the_rerun_of_several_micro_batches_averages_them():
+    loop, twin = Loop(rerun=True), Loop()
+    half = {k: v[:4] for k, v in BATCH.items()}
+    rest = {k: v[4:] for k, v in BATCH.items()}
+    loop.step()
+    twin.step()
+    with torch.no_grad():
+        want = (twin.model(**half).item() + twin.model(**rest).item()) / 2
+    loop.prot._rerun(2, [half, rest], row(scale=1024.0, skipped=True), rec.GRADIENT)
+    assert loop.prot.events[-1]["rerun_loss"] == pytest.approx(want, rel=1e-3)
+
+
+class Sqrt(nn.Module):
+    """``a`` (the first parameter) at 0: its gradient through sqrt is inf, the loss finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(1))
+        self.b = nn.Parameter(torch.ones(1))
+        self.unused = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y):
+        return torch.sqrt(self.a).sum() + (self.b * x).mean()
+
+
+def _sqrt_prot(**kw) -> Protection:
+    model = Sqrt()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    return Protection(model, opt, make_precision("fp32"), config=GuardConfig(rerun=True, **kw))
+
+
+def test_a_rerun_whose_first_gradient_is_not_finite_is_reproducible():
+    prot = _sqrt_prot()
+    assert prot._rerun(1, [BATCH], row(scale=1.0, skipped=True), rec.GRADIENT) == "reproducible"
+    assert math.isfinite(prot.events[-1]["rerun_loss"])
+
+
+def test_a_rerun_at_the_loss_threshold_is_clean_and_unused_parameters_stay_untouched():
+    prot = _sqrt_prot()
+    with torch.no_grad():
+        prot.model.a.fill_(1.0)
+        want = prot.model(**BATCH).item()
+    before = prot.model.unused.detach().clone()
+    prot.model.unused.grad = torch.ones(1)  # stale: from before the skipped step
+    record = row(scale=1.0, skipped=True, loss=want, loss_thr=want)
+    assert prot._rerun(1, [BATCH], record, rec.SPIKE) == "transient"
+    assert prot.model.unused.grad is None  # the stale gradient is dropped, not applied
+    assert torch.equal(prot.model.unused, before)
+    assert not torch.equal(prot.model.b.detach(), torch.ones(1))  # the retried step moved b
