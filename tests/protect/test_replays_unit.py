@@ -293,3 +293,23 @@ def test_a_rerun_at_the_loss_threshold_is_clean_and_unused_parameters_stay_untou
     assert prot.model.unused.grad is None  # the stale gradient is dropped, not applied
     assert torch.equal(prot.model.unused, before)
     assert not torch.equal(prot.model.b.detach(), torch.ones(1))  # the retried step moved b
+
+
+def test_a_loss_made_non_finite_outside_the_model_names_the_model_and_its_dtype():
+    loop = Loop()
+    loop.prot.forward = lambda m, b: m(**b) * INF  # the loop's own loss function overflows
+    loop.prot._locate_and_promote(3, [BATCH], None)
+    assert _strip(loop.prot.events[-1]) == {
+        "step": 3,
+        "kind": "locate",
+        "message": "forward overflow: the loss itself is not finite while every module's "
+        "output is (look at the loss function, the labels and the learning rate)",
+        "module": "<model>",
+        "dtype": "float32",
+    }
+    loop.prot.forward = lambda m, b: (m(**b) * INF).half()
+    loop.prot._locate_and_promote(4, [BATCH, BATCH], 2)
+    ev = loop.prot.events[-1]
+    assert ev["dtype"] == "float16" and ev["message"].endswith(
+        "(replayed on the weights of step 6)"
+    )
