@@ -449,3 +449,15 @@ def test_fp8_health_keeps_patience_samples_in_the_order_of_the_names():
     health.forget("never")
     assert list(health.history) == ["y"]
     assert fp8.Fp8Health().rules == fp8.DemoteRules()
+
+
+def test_the_reason_names_the_last_sample_of_the_run():
+    rules = fp8.DemoteRules(patience=3)
+    under = [_s(w_under=0.02), _s(w_under=0.03), _s(w_under=0.05)]
+    assert fp8.decide_demotions({"a": under}, rules) == {
+        "a": "underflow above 1.0% in 3 samples in a row (last 5.0%)"
+    }
+    sat = [_s(in_sat=0.2), _s(in_sat=0.3), _s(in_sat=0.4)]
+    assert fp8.decide_demotions({"a": sat}, rules) == {
+        "a": "saturation above 10.0% in 3 samples in a row (last 40.0%)"
+    }

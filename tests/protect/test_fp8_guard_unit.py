@@ -239,3 +239,20 @@ def test_a_gradient_overflow_of_an_fp8_run_is_replayed_at_its_step():
     prot.after_step(1, skipped=True, batches=[X])
     assert [e["kind"] for e in prot.events] == ["overflow", "demotion"]
     assert prot.events[1]["module"] == "a.1"
+
+
+def test_a_forward_overflow_in_an_fp8_layer_demotes_it_before_promoting_it():
+    prot = _fp8()
+    with torch.no_grad():
+        prot.model.ab[0].weight[0, 0] = INF
+    prot._locate_and_promote(2, [X], None)
+    assert [(e["kind"], e["step"], e["module"]) for e in prot.events] == [
+        ("demotion", 2, "ab.0"),
+        ("promotion", 2, "ab.0"),
+    ]
+    assert prot.events[0]["reason"] == "inside 'ab.0', promoted to fp32"
+    assert prot.events[1]["message"] == (
+        "forward overflow first appears in ab.0 (non-finite, bfloat16): now runs in fp32"
+    )
+    assert prot.precision.in_fp32 == ["ab.0"] and prot.promoted_at == {"ab.0": 2}
+    assert fp8.converted_layers(prot.model) == ["a.0", "a.1", "ab.1"]

@@ -313,3 +313,57 @@ def test_a_loss_made_non_finite_outside_the_model_names_the_model_and_its_dtype(
     assert ev["dtype"] == "float16" and ev["message"].endswith(
         "(replayed on the weights of step 6)"
     )
+
+
+class HalfOut(nn.Module):
+    """A module that computes (and returns) fp16 whatever precision runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 1e3))
+
+    def forward(self, x):
+        h = x.half() * self.w.half()
+        return h * h
+
+
+class WithHalf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.half_out = HalfOut()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return ((self.head(self.half_out(x).float()) - y) ** 2).mean()
+
+
+def _half_prot(precision: str, **kw) -> Protection:
+    model = WithHalf()
+    prec = make_precision(precision, **kw)
+    prec.prepare(model)
+    return Protection(model, torch.optim.SGD(model.parameters(), lr=0.1), prec)
+
+
+def test_an_fp32_run_locates_an_fp16_module_but_has_nothing_to_promote_it_to():
+    prot = _half_prot("fp32")
+    prot._locate_and_promote(5, [BATCH], None)
+    assert _strip(prot.events[-1]) == {
+        "step": 5,
+        "kind": "locate",
+        "message": "forward overflow first appears in half_out (float16)",
+        "module": "half_out",
+        "dtype": "float16",
+    }
+    assert prot.precision.in_fp32 == []
+
+
+def test_a_module_already_in_fp32_that_still_computes_in_fp16_is_named():
+    prot = _half_prot("fp16", fp32_modules=["half_out"])
+    assert prot.precision.in_fp32 == ["half_out"]
+    prot._locate_and_promote(5, [BATCH], 1)
+    assert _strip(prot.events[-1]) == {
+        "step": 5,
+        "kind": "locate",
+        "message": "forward overflow in half_out, already fp32 (replayed on the weights of step 6)",
+        "module": "half_out",
+    }

@@ -349,3 +349,11 @@ def test_make_precision_hands_the_fp8_options_to_the_plugin():
     p = make_precision("fp8", options={"recipe": "rowwise", "exclude": ["*x*"], "other": 1})
     assert isinstance(p, FP8Precision) and (p.recipe, p.exclude) == ("rowwise", ["*x*"])
     assert p.options == {"recipe": "rowwise", "exclude": ["*x*"], "other": 1}
+
+
+def test_a_fresh_probe_has_nothing_to_add_read_or_hand_over():
+    probe = Fp8CastProbe()
+    fig = DeviceFigures(torch.device("cpu"))
+    probe.figures(fig)
+    assert fig.read() == {} and probe.row({"fp8_rows": [1.0] * W}) == {}
+    assert probe.take_sample() is None
