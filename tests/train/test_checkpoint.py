@@ -287,3 +287,19 @@ def test_set_rng_state_without_python_state_sets_torch_only():
     set_rng_state(state)
     assert torch.equal(torch.rand(2), want)
     assert random.random() == py  # untouched
+
+
+def test_load_refuses_a_checkpoint_larger_than_the_memory_allowed_before_reading_it(
+    tmp_path, monkeypatch
+):
+    from ampctl.trust import ResourceRefused, human_size, max_memory, torch_file_sizes
+
+    path = save_checkpoint(RunLayout(tmp_path / "r"), 1, _state(1.0))
+    total, _ = torch_file_sizes(path)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("loaded before the check"))
+    with max_memory(16), pytest.raises(ResourceRefused) as e:
+        load_checkpoint(path)
+    assert str(e.value) == (
+        f"{str(path)!r} ({human_size(total)} of tensors) needs about {human_size(total)} of "
+        f"memory, more than the {human_size(16)} allowed (--max-memory): nothing was allocated"
+    )  # a checkpoint the loop resumes from: no --max-memory hint of its own
