@@ -218,6 +218,8 @@ def test_gather_names_every_figure_the_row_reads_and_how_ranks_combine_it():
     assert kinds == {
         "loss_sum": "sum",
         "loss_n": "sum",
+        "course_loss_sum": "sum",
+        "course_loss_n": "sum",
         "grad_norm_sq": None,
         "grad_underflow": None,
         "grad_elems": None,
@@ -236,6 +238,7 @@ def test_gather_names_every_figure_the_row_reads_and_how_ranks_combine_it():
     }
     got = fig.read()
     assert (got["loss_sum"], got["loss_n"]) == (8.0, 2.0)
+    assert (got["course_loss_sum"], got["course_loss_n"]) == (8.0, 2.0)  # no spike among them
     assert got["grad_norm_sq"] == 9.0 and got["grad_amax"] == 2.5 and got["grad_elems"] == 10.0
     assert (got["grad_underflow"], got["nonfinite_grads"]) == (4.0, 1.0)
     assert got["skipped_total"] == 1.0 and got["recent_skips"] == 0.0  # the last 2: clean
@@ -266,3 +269,21 @@ def test_gather_without_gradient_statistics_probes_or_protection():
     assert "grad_norm_sq" not in got and "grad_amax" not in got
     assert got["loss_sum"] == 2.0 and math.isnan(got["lr"])
     assert got["scale"] == 1024.0 and got["recent_skips"] == 0.0
+
+
+def test_the_course_loss_leaves_out_the_spikes_the_rule_skipped():
+    """The divergence rule's course: a skipped step whose loss was above the spike threshold is
+    left out; an overflow (skipped, loss under the threshold) and clean steps stay in."""
+    rows = [
+        row(loss=2.0, loss_thr=10.0),
+        row(loss=500.0, skipped=True, loss_thr=10.0),  # the spike rule's veto
+        row(loss=3.0, skipped=True, loss_thr=10.0),  # a gradient overflow
+        row(loss=4.0, loss_thr=10.0),
+    ]
+    window = LogWindow(first_update=0)
+    total = window.loss(scaler_with(rows))
+    course = window.course_loss(scaler_with(rows))
+    assert (total[0].item(), total[1].item()) == (509.0, 4.0)
+    assert (course[0].item(), course[1].item()) == (9.0, 3.0)
+    window.add(torch.tensor(1.0))  # losses handed over: no record of which step was a spike
+    assert window.course_loss(scaler_with(rows)) is None

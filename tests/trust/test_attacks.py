@@ -339,7 +339,9 @@ def test_a_damaged_dcp_chunk_is_one_line(results):
 @case("ds-latest")
 def _(d, run_dir):
     ds = d / "ds"
-    shutil.copytree(ROOT / "tests" / "commands" / "diagnose" / "data" / "deepspeed" / "zero0-fp32", ds)
+    shutil.copytree(
+        ROOT / "tests" / "commands" / "diagnose" / "data" / "deepspeed" / "zero0-fp32", ds
+    )
     (ds / "latest").write_text("global_step3")
     os.truncate(ds / "latest", 8 << 30)  # sparse: free on disk
     return diagnose(ds)
