@@ -74,15 +74,9 @@ def run_diagnose(
     from rich.console import Console
 
     report = diagnose_report(
-        path,
-        batches=batches,
-        precision=precision,
-        device=device,
-        fmt=fmt,
-        trust_code=trust_code,
-        data=data,
-        max_memory=max_memory,
-    )
+        path, batches=batches, precision=precision, device=device, fmt=fmt,
+        trust_code=trust_code, data=data, max_memory=max_memory,
+    )  # fmt: skip
     if as_json:
         _print_json(report_json(report))
     else:

@@ -202,28 +202,19 @@ def _replay(
     try:
         if precision == "fp8":
             _require_torchao()
+        common = {
+            "precision": precision,
+            "device": dev,
+            "batches": batches,
+            "data_file": data_file,
+            "scaler": scaler,
+        }
         if found.format == "ampctl":
             if cfg is None:
                 raise ReplaySkipped(cfg_reason)
-            inp = ampctl_input(
-                found,
-                cfg,
-                precision=precision,
-                device=dev,
-                batches=batches,
-                data_file=data_file,
-                trust_code=trust_code,
-                scaler=scaler,
-            )
+            inp = ampctl_input(found, cfg, trust_code=trust_code, **common)
         elif found.model_dir is not None:
-            inp = hf_input(
-                found,
-                precision=precision,
-                device=dev,
-                batches=batches,
-                data_file=data_file,
-                scaler=scaler,
-            )
+            inp = hf_input(found, **common)
         elif found.run_dir is not None:
             raise ReplaySkipped(_unrecorded_model(found))
         else:
@@ -298,41 +289,15 @@ def _has_checkpoint(found: Found) -> bool:
 
 
 # ---------------------------------------------------------------------------- the diagnosis
-def diagnose(
-    path: str | Path,
-    *,
-    batches: int = 2,
-    precision: str | None = None,
-    device: str = "auto",
-    fmt: str | None = None,
-    trust_code: bool = False,
-    data: str | Path | None = None,
-    max_memory: int | None = None,
-) -> dict[str, Any]:
+def diagnose(path: str | Path, **options: Any) -> dict[str, Any]:
     """Diagnose a checkpoint file or folder of any supported format; returns the report as
     JSON values (the ``--json`` content, schema in :mod:`ampctl.commands.diagnose.report`).
-    :func:`diagnose_report` returns it typed.
+    ``options`` are :func:`diagnose_report`'s (``batches``, ``precision``, ``device``, ``fmt``,
+    ``trust_code``, ``data``, ``max_memory``), which returns the report typed.
 
-    ``data``: what to replay instead of synthetic batches (a path the user names; one that the
-    checkpoint names is opened only with ``trust_code``). ``max_memory``: bytes the checkpoint
-    may take (default: :func:`ampctl.trust.memory_limit`).
-
-    Raises :class:`UsageError` for bad input: a missing path, nothing readable, a refused pickle,
-    a file or a memory estimate over the limits of :mod:`ampctl.trust`, ``batches < 1``, an
-    unknown ``precision``, ``device`` or ``fmt``. **Syncs** (an offline tool: it reads every
-    tensor)."""
-    return report_json(
-        diagnose_report(
-            path,
-            batches=batches,
-            precision=precision,
-            device=device,
-            fmt=fmt,
-            trust_code=trust_code,
-            data=data,
-            max_memory=max_memory,
-        )
-    )
+    Raises :class:`UsageError` for bad input (see :func:`diagnose_report`). **Syncs** (an
+    offline tool: it reads every tensor)."""
+    return report_json(diagnose_report(path, **options))
 
 
 def diagnose_report(
@@ -346,7 +311,17 @@ def diagnose_report(
     data: str | Path | None = None,
     max_memory: int | None = None,
 ) -> Report:
-    """:func:`diagnose`, the report typed (:class:`~.stages.Report`)."""
+    """Diagnose a checkpoint file or folder of any supported format; returns the report typed
+    (:class:`~.stages.Report`; :func:`diagnose` returns it as JSON values).
+
+    ``data``: what to replay instead of synthetic batches (a path the user names; one that the
+    checkpoint names is opened only with ``trust_code``). ``max_memory``: bytes the checkpoint
+    may take (default: :func:`ampctl.trust.memory_limit`).
+
+    Raises :class:`UsageError` for bad input: a missing path, nothing readable, a refused pickle,
+    a file or a memory estimate over the limits of :mod:`ampctl.trust`, ``batches < 1``, an
+    unknown ``precision``, ``device`` or ``fmt``. **Syncs** (an offline tool: it reads every
+    tensor)."""
     from ampctl import trust
 
     with trust.max_memory(max_memory):

@@ -142,7 +142,6 @@ def _scaler(sc: ScalerState | None, console: Any) -> None:
 
 
 def _history(h: History | None, console: Any, unreadable: list[str]) -> None:
-    from rich.table import Table
 
     if h is None:
         if unreadable:
@@ -151,14 +150,7 @@ def _history(h: History | None, console: Any, unreadable: list[str]) -> None:
         else:
             _say(console, "2. History: none kept beside this checkpoint", "dim")
         return
-    t = Table(
-        title=f"2. History ({h.source})",
-        title_justify="left",
-        show_edge=False,
-        show_header=False,
-    )
-    t.add_column("what")
-    t.add_column("value")
+    t = _what_value_table(f"2. History ({h.source})")
     fo = h.first_overflow_step
     if h.source == "run folder":
         t.add_row(
@@ -347,19 +339,21 @@ def _modules(r: Replay, console: Any) -> None:
     console.print(t)
 
 
-def _gradients(g: Gradients | None, console: Any) -> None:
+def _what_value_table(title: str) -> Any:
+    """A two-column (what, value) table without header or edge, titled on the left."""
     from rich.table import Table
+
+    t = Table(title=title, title_justify="left", show_edge=False, show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    return t
+
+
+def _gradients(g: Gradients | None, console: Any) -> None:
 
     if g is None:
         return
-    t = Table(
-        title=f"gradients at scale {pow2(g.scale)}",
-        title_justify="left",
-        show_edge=False,
-        show_header=False,
-    )
-    t.add_column("what")
-    t.add_column("value")
+    t = _what_value_table(f"gradients at scale {pow2(g.scale)}")
     hr = as_number(g.headroom_log2)
     t.add_row(
         "max |g| (unscaled, fp32 replay)",

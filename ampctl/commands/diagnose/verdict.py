@@ -392,20 +392,26 @@ def _resume_why(
 
 
 # ---------------------------------------------------------------------------- events
+_EVENT_TEXTS = {  # the events told in one fixed sentence (their fields, and the step)
+    "abort": "the guard aborted the run at step {step}",
+    "fallback": "fell back {from_precision} -> {to_precision} at step {step}",
+    "promotion": "the guard moved {module} to fp32 at step {step}",
+    "promotion_undone": "moved {module} back from fp32 at step {step}: not the cause",
+    "demotion": "demoted {module} fp8 -> bf16 at step {step}",
+}
+
+
+class _Fields(dict):
+    def __missing__(self, key: str) -> None:  # a field the event lacks reads None
+        return None
+
+
 def _event_text(e: GuardEvent) -> str | None:
     d = e.data
     if e.kind == "rollback":
         return f"rolled back to {d.get('to_step', e.step)}"
-    if e.kind == "abort":
-        return f"the guard aborted the run at step {e.step}"
-    if e.kind == "fallback":
-        return f"fell back {d.get('from_precision')} -> {d.get('to_precision')} at step {e.step}"
-    if e.kind == "promotion":
-        return f"the guard moved {d.get('module')} to fp32 at step {e.step}"
-    if e.kind == "promotion_undone":
-        return f"moved {d.get('module')} back from fp32 at step {e.step}: not the cause"
-    if e.kind == "demotion":
-        return f"demoted {d.get('module')} fp8 -> bf16 at step {e.step}"
+    if e.kind in _EVENT_TEXTS:
+        return _EVENT_TEXTS[e.kind].format_map(_Fields(d, step=e.step))
     if e.kind == "rerun":
         rank = f", rank {d['rank']}" if d.get("rank") is not None else ""
         if d.get("verdict") == "transient":
