@@ -60,3 +60,21 @@ def scaler_with(rows: list[list[float]], *, enabled: bool = True, **kw) -> LossS
     )
     s.init_state("cpu")
     return s
+
+
+def strip_time(ev: dict) -> dict:
+    """An event without its wall-clock ``time`` (for comparing events word for word)."""
+    return {k: v for k, v in ev.items() if k != "time"}
+
+
+class Ranks:
+    """A stand-in for the loop's dist context on one rank: ``all_gather_object`` returns the
+    other ranks' planted objects, then this rank's."""
+
+    enabled = True
+
+    def __init__(self, others: list) -> None:
+        self.others = others
+
+    def all_gather_object(self, obj):
+        return [*self.others, obj]

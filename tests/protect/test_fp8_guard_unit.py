@@ -17,22 +17,9 @@ from ampctl.amp.precision import make_precision  # noqa: E402
 from ampctl.protect.figures import DeviceFigures  # noqa: E402
 from ampctl.protect.protection import Protection  # noqa: E402
 from ampctl.protect.settings import GuardConfig  # noqa: E402
+from tests.protect.recorded import Ranks, strip_time  # noqa: E402
 
 INF = math.inf
-
-
-def _strip(ev: dict) -> dict:
-    return {k: v for k, v in ev.items() if k != "time"}
-
-
-class _Ranks:
-    enabled = True
-
-    def __init__(self, others: list) -> None:
-        self.others = others
-
-    def all_gather_object(self, obj):
-        return [*self.others, obj]
 
 
 # ------------------------------------------------------------------ fp8: demotion at the log read
@@ -98,7 +85,7 @@ def test_persistent_saturation_at_the_log_reads_demotes_the_layer():
     assert prot.events == [] and set(prot.fp8_health.history) == {"a.0", "a.1", "ab.0", "ab.1"}
     _log(prot, {"a.1": SAT, "ab.0": UNDER})
     prot.after_log(20)
-    assert [_strip(e) for e in prot.events] == [
+    assert [strip_time(e) for e in prot.events] == [
         {
             "step": 20,
             "kind": "demotion",
@@ -165,7 +152,7 @@ def test_a_gradient_storm_is_replayed_and_the_first_layer_it_reached_demoted():
     prot._replay_casts(4, [X], None)
     assert torch.equal(torch.get_rng_state(), rng)
     assert [p.grad for p in prot.model.parameters()] == grads  # the replay's are discarded
-    assert [_strip(e) for e in prot.events] == [
+    assert [strip_time(e) for e in prot.events] == [
         {
             "step": 4,
             "kind": "demotion",
@@ -214,14 +201,14 @@ def test_no_replay_when_demotion_is_off(guard):
 def test_ranks_demote_the_union_of_what_each_found_first_rank_first():
     prot = _fp8()
     prot.model.storm = True
-    prot.dist = _Ranks([{"ab.0": "theirs", "a.1": "their reason"}, None])
+    prot.dist = Ranks([{"ab.0": "theirs", "a.1": "their reason"}, None])
     prot._replay_casts(3, [X], None)
     assert [(e["module"], e["reason"]) for e in prot.events] == [
         ("ab.0", "theirs on the replay of the skipped step"),
         ("a.1", "their reason on the replay of the skipped step"),
     ]
     off = _fp8()
-    off.dist = _Ranks([{"ab.0": "theirs"}])
+    off.dist = Ranks([{"ab.0": "theirs"}])
     off.dist.enabled = False
     off._replay_casts(3, [X], None)
     assert off.events == []

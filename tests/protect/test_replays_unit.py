@@ -15,24 +15,10 @@ from ampctl.amp import records as rec
 from ampctl.amp.precision import make_precision
 from ampctl.protect.protection import Protection
 from ampctl.protect.settings import GuardConfig
-from tests.protect.recorded import row
+from tests.protect.recorded import Ranks, row, strip_time
 from tests.protect.test_protection_unit import BATCH, Loop
 
 INF, NAN = math.inf, math.nan
-
-
-def _strip(ev: dict) -> dict:
-    return {k: v for k, v in ev.items() if k != "time"}
-
-
-class _Ranks:
-    enabled = True
-
-    def __init__(self, others: list) -> None:
-        self.others = others
-
-    def all_gather_object(self, obj):
-        return [*self.others, obj]
 
 
 def _weights(model: nn.Module) -> dict:
@@ -49,7 +35,7 @@ def test_a_fault_that_does_not_replay_is_transient_and_its_step_is_retried():
     loop.model.amp.flaky = 1  # the first pass overflows, the rerun does not
     assert loop.step() is True and twin.step() is False
     assert loop.prot.retried is True
-    ev = _strip(loop.prot.events[0])
+    ev = strip_time(loop.prot.events[0])
     assert [e["kind"] for e in loop.prot.events] == ["rerun"]
     loss = ev["rerun_loss"]
     assert ev == {
@@ -89,7 +75,7 @@ def test_a_fault_that_replays_is_reproducible_and_the_step_stays_skipped():
     assert loop.prot.retried is False
     kinds = [e["kind"] for e in loop.prot.events]
     assert kinds[:2] == ["rerun", "overflow"]
-    ev = _strip(loop.prot.events[0])
+    ev = strip_time(loop.prot.events[0])
     assert ev["verdict"] == "reproducible" and ev["cause"] == "overflow" and ev["rank"] is None
     assert not math.isfinite(ev["rerun_loss"])
     assert ev["message"] == (
@@ -163,20 +149,20 @@ def test_the_retried_step_is_clipped_to_the_loops_clip():
 
 
 def test_ranks_rerun_together_and_a_fault_that_replays_on_one_rank_is_reproducible():
-    loop = Loop(rerun=True, protection={"dist": _Ranks([(True, True)])})
+    loop = Loop(rerun=True, protection={"dist": Ranks([(True, True)])})
     loop.step(plant=("head.weight",))  # clean here, fails again on rank 0
     ev = loop.prot.events[0]
     assert ev["verdict"] == "reproducible" and ev["rank"] is None
     assert "(rank" not in ev["message"]
-    loop = Loop(rerun=True, protection={"dist": _Ranks([(True, False), (True, True)])})
+    loop = Loop(rerun=True, protection={"dist": Ranks([(True, False), (True, True)])})
     loop.step(plant=("head.weight",))
     assert loop.prot.events[0]["verdict"] == "reproducible"
-    loop = Loop(rerun=True, protection={"dist": _Ranks([(True, False)])})
+    loop = Loop(rerun=True, protection={"dist": Ranks([(True, False)])})
     loop.step(plant=("head.weight",))
     ev = loop.prot.events[0]
     assert ev["verdict"] == "transient" and ev["rank"] == 0
     assert ev["message"].startswith("rerun of step 1 (overflow) (rank 0, 1): clean (loss ")
-    off = _Ranks([(True, True)])
+    off = Ranks([(True, True)])
     off.enabled = False  # a single process: the others are not asked
     loop = Loop(rerun=True, protection={"dist": off})
     loop.step(plant=("head.weight",))
@@ -299,7 +285,7 @@ def test_a_loss_made_non_finite_outside_the_model_names_the_model_and_its_dtype(
     loop = Loop()
     loop.prot.forward = lambda m, b: m(**b) * INF  # the loop's own loss function overflows
     loop.prot._locate_and_promote(3, [BATCH], None)
-    assert _strip(loop.prot.events[-1]) == {
+    assert strip_time(loop.prot.events[-1]) == {
         "step": 3,
         "kind": "locate",
         "message": "forward overflow: the loss itself is not finite while every module's "
@@ -347,7 +333,7 @@ def _half_prot(precision: str, **kw) -> Protection:
 def test_an_fp32_run_locates_an_fp16_module_but_has_nothing_to_promote_it_to():
     prot = _half_prot("fp32")
     prot._locate_and_promote(5, [BATCH], None)
-    assert _strip(prot.events[-1]) == {
+    assert strip_time(prot.events[-1]) == {
         "step": 5,
         "kind": "locate",
         "message": "forward overflow first appears in half_out (float16)",
@@ -361,7 +347,7 @@ def test_a_module_already_in_fp32_that_still_computes_in_fp16_is_named():
     prot = _half_prot("fp16", fp32_modules=["half_out"])
     assert prot.precision.in_fp32 == ["half_out"]
     prot._locate_and_promote(5, [BATCH], 1)
-    assert _strip(prot.events[-1]) == {
+    assert strip_time(prot.events[-1]) == {
         "step": 5,
         "kind": "locate",
         "message": "forward overflow in half_out, already fp32 (replayed on the weights of step 6)",
