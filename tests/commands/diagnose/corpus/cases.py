@@ -220,9 +220,14 @@ _BASE = {name: "own-recovered" if "promotion" in name else "own-healthy"
          for name in ampctl_runs.HAND_WRITTEN}  # fmt: skip
 
 
+#: Runs that need an optional library beyond their writer's (fp8 runs: torchao, the fp8 extra).
+_RUN_NEEDS = {"ampctl-fp8-healthy": "torchao", "ampctl-fp8-saturated": "torchao"}
+
+
 def missing_library(run: str) -> str | None:
     """The library a run needs that is not installed (None: none missing)."""
-    lib = _NEEDS[_MODULE[_BASE.get(run, run)]]
+    base = _BASE.get(run, run)
+    lib = _RUN_NEEDS.get(base) or _NEEDS[_MODULE[base]]
     return lib if lib is not None and importlib.util.find_spec(lib) is None else None
 
 
