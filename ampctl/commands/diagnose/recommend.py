@@ -1,4 +1,5 @@
-"""Part 5 of a diagnosis: what to change, in ampctl's terms and in the user's own.
+"""Part 4 of a diagnosis (the report's "4. Recommendations", after the verdict): what to change, in
+ampctl's terms and in the user's own.
 
 Each recommendation is an ampctl override (``optim.lr=0.0005``) with its reason and, for a
 checkpoint written by another tool, the same change in that tool's terms (``yours``):
