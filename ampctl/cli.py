@@ -7,6 +7,7 @@ written; the message says how to resume).
 
 from __future__ import annotations
 
+import inspect
 import sys
 import traceback
 import warnings
@@ -526,6 +527,20 @@ def tokenizer_train(
         f"use it: ampctl train conf=gpt2_tiny data=hf {shlex.quote(f'data.path={path}')}{extra} "
         f"{shlex.quote(f'data.tokenizer={res.out}')} data.vocab_size={res.vocab_size}"
     )
+
+
+def _paragraphs(text: str) -> str:
+    """A docstring as help: its line breaks inside a paragraph joined (Typer's rich help keeps
+    them, so a terminal narrower than the source breaks sentences in the middle)."""
+    paras = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paras)
+
+
+for _typer in (app, tokenizer_app):
+    for _info in _typer.registered_commands:
+        _doc = _info.help or (_info.callback.__doc__ if _info.callback else None)
+        if _doc:
+            _info.help = _paragraphs(_doc)
 
 
 def main() -> None:

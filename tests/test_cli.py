@@ -221,6 +221,20 @@ def test_help_explains_every_command():
         assert res.exit_code == 0 and "Usage" in res.output
 
 
+def test_help_paragraphs_wrap_at_the_terminal_not_at_the_source_lines():
+    """A command's description is wrapped to the terminal's width: no line of a paragraph ends
+    half-way across an 80-column terminal while the sentence goes on below it (Typer keeps a
+    docstring's own line breaks, which broke sentences mid-line)."""
+    for cmd in ("train", "sweep-scale", "diagnose", "bench", "plot", "tokenizer train"):
+        res = CliRunner().invoke(app, [*cmd.split(), "--help"], env={"COLUMNS": "80"})
+        head = res.output.split("╭", 1)[0].splitlines()[3:]  # after the usage line
+        paragraphs = "\n".join(line.rstrip() for line in head).split("\n\n")
+        for para in paragraphs:
+            lines = [x for x in para.splitlines() if x.strip()]
+            short = [x for x in lines[:-1] if len(x) < 60]
+            assert short == [], (cmd, short)
+
+
 def test_debug_flag_shows_the_traceback(runs):
     res = runner.invoke(app, ["--debug", *train_args(runs, "scaler.init_scale=0")])
     assert res.exit_code == 2 and "Traceback" in res.output + res.stderr
