@@ -146,7 +146,12 @@ def train_run(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, Run]:
     """Every case built, then run in one subprocess under the 4 GiB address-space limit."""
-    root = tmp_path_factory.mktemp("attacks")
+    return run_cases(tmp_path_factory.mktemp("attacks"))
+
+
+def run_cases(root: Path) -> dict[str, Run]:
+    """Every case built under ``root``, then run in one subprocess under the 4 GiB
+    address-space limit (also ``python -m tests.trust.table``)."""
     run_dir = train_run(root / "runs")
     cases = {}
     for name, build in BUILDERS.items():
