@@ -166,7 +166,10 @@ def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
         if lv > base + band:
             nxt = levels[i + 1] if i + 1 < len(vals) else None
             gap = i + 1 < len(vals) and any(
-                x.step > vals[i].step and x.step < vals[i + 1].step and not _finite(x.loss)
+                x.step > vals[i].step
+                and x.step < vals[i + 1].step
+                and x.loss is not None
+                and not math.isfinite(x.loss)
                 for x in rows
             )
             if nxt is None or gap or nxt > base + band / 2:

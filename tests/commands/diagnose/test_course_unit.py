@@ -217,6 +217,13 @@ def test_a_non_finite_step_right_after_a_crossing_confirms_it():
     assert departure(r) is None
 
 
+def test_a_row_without_a_loss_is_not_a_non_finite_step():
+    """A row that logged no loss (an eval row, a row of lr only) confirms nothing: only the
+    next row, or a non-finite loss, confirms a crossing."""
+    r = rows([4.0, 6.2]) + [Row(step=3, loss=None)] + rows([4.5, 4.0, 4.0], start=4)
+    assert departure(r) is None
+
+
 def test_a_resolved_departure_with_its_lr():
     """Falls to 2.0 (lowest level at step 7) while a warmup raises the lr, rises to 3.x once the
     lr passed 0.875, and comes back within 5% once the lr is cut to 0.5."""
