@@ -199,14 +199,16 @@ def _departure(
         if levels[j] <= band and levels[j + 1] <= band:
             back = vals[j].step
             break
-    until = [x for x in vals[i:] if back is None or x.step < back]
+    # the rise is every row after the last one on course (the level crosses rows after it)
+    last_good = (on_course or vals[:1])[-1].step
+    until = [x for x in vals if x.step > last_good and (back is None or x.step < back)]
     peak = max(until, key=lambda x: x.loss)
     lrs = [x for x in vals[low:] if x.step <= peak.step and x.learning_rate is not None]
     top = max(lrs, key=lambda x: x.learning_rate, default=None)
     at_back = next((x.learning_rate for x in vals if x.step == back), None)
     return Departure(
         step=r.step,
-        last_good_step=(on_course or vals[:1])[-1].step,
+        last_good_step=last_good,
         loss=levels[i],
         min_loss=base,
         min_step=vals[low].step,

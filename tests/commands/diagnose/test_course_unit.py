@@ -153,7 +153,7 @@ def test_a_rise_of_exactly_25_percent_stays_on_course_and_more_departs():
         min_step=1,
         first_loss=4.0,
         peak=5.01,
-        peak_step=8,
+        peak_step=6,  # the first row of the rise
         resolved_at=None,
         never_improved=True,
     )
@@ -238,8 +238,8 @@ def test_a_resolved_departure_with_its_lr():
         min_loss=2.0,
         min_step=7,
         first_loss=4.0,
-        peak=3.1,  # the highest row from the crossing until it came back
-        peak_step=14,
+        peak=3.2,  # the highest row from the last one on course until it came back
+        peak_step=13,
         resolved_at=19,  # the levels at 19 and 20 are within 5% of 2.0
         never_improved=False,
         lr_at_min=0.875,
@@ -642,6 +642,15 @@ def test_the_checkpoints_notes_and_steps_join_the_course():
             "10 steps skipped at 11–20 in a row, still skipping at the end of the record",
         )
     ]
+
+
+def test_the_peak_is_where_the_loss_rose_to_not_only_the_rows_after_the_levels_crossing():
+    """The level (a median of 5) crosses two rows after the loss rose: the peak the verdict
+    names is the highest row after the last one on course, not a row after the crossing."""
+    losses = [4.0, 3.5, 3.0, 2.5] + [2.0] * 6 + [3.0] * 3 + [2.1] * 4 + [3.0] * 3
+    d = departure(rows(losses))
+    assert (d.step, d.last_good_step, d.resolved_at) == (14, 10, 16)
+    assert (d.peak, d.peak_step) == (3.0, 11)  # not 2.1 at step 14
 
 
 def test_a_departure_and_a_spike_are_episodes_in_step_order():
