@@ -176,7 +176,7 @@ def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
                 return _departure(vals, levels, i, low, rows)
         if lv < base:
             low = i
-            improved = improved or lv < (1 - RETURN / 2.5) * levels[0]
+            improved = improved or lv < levels[0] - RETURN / 2.5 * abs(levels[0])
     return None
 
 
@@ -190,11 +190,11 @@ def _departure(
     r, base = vals[i], levels[low]
     # the last row still on course: its own loss, not only its level, within the band; when
     # the loss never fell, the row it rose from
-    never = base >= (1 - RETURN / 2.5) * levels[0]
-    band_ = (1 + DEPARTURE) * base
+    never = base >= levels[0] - RETURN / 2.5 * abs(levels[0])
+    band_ = base + DEPARTURE * abs(base)
     on_course = [x for x in vals[: low + 1 if never else i] if x.loss <= band_]
     back = None
-    band = (1 + RETURN) * base
+    band = base + RETURN * abs(base)
     for j in range(i, len(vals) - 1):
         if levels[j] <= band and levels[j + 1] <= band:
             back = vals[j].step

@@ -165,6 +165,20 @@ def test_a_negative_loss_is_measured_by_its_size():
     assert (d.step, d.min_loss, d.loss) == (8, -1.0, -0.7)
 
 
+def test_a_negative_loss_falls_rises_and_comes_back_by_its_size():
+    """The bands are fractions of the loss's size: a negative loss is back within 5% of its
+    lowest level, on course within 25% of it, and has fallen only 2% below its first level."""
+    # flat at -1, up to -0.5, back at -1: it never fell, and it came back
+    d = departure(rows([-1.0] * 5 + [-0.5] * 5 + [-1.0] * 6))
+    assert (d.step, d.never_improved, d.resolved_at, d.last_good_step) == (8, True, 13, 1)
+    # fell 7.5% (to -2.15), rose to -1: the last row on course is the last at -2.0
+    d = departure(rows([-2.0, -2.1, -2.2, -2.3] + [-2.0] * 5 + [-1.0] * 6))
+    assert (d.step, d.never_improved, d.resolved_at, d.last_good_step) == (12, False, None, 9)
+    # fell 1% only: not a fall
+    d = departure(rows([-1.0, -1.01, -1.01, -1.01] + [-0.5] * 6))
+    assert (d.step, d.never_improved, d.min_step) == (7, True, 3)
+
+
 def test_the_rows_after_stop_and_non_finite_losses_are_not_read():
     losses = [4.0] * 5 + [None, NAN, INF] + [6.0] * 5
     assert departure(rows(losses)).step == 11
