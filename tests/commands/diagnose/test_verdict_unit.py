@@ -964,3 +964,16 @@ def test_the_outlier_batch_is_named_in_the_verdict():
         "the loss was back on the next step): its gradient is the likely cause"
     )
     assert j.verdict.events == ["a single loss of 1e+21 at step 11"]
+
+
+def test_a_repeated_event_whose_text_has_a_parenthesis_is_told_once_counted():
+    """The rule fired at the same step again after each rollback: one line, counted."""
+    again = ev(4, "divergence", action="rollback", from_step=6, to_step=4, ratio=3.0, min_loss=2.0)
+    story = V._story(hist(events=[again, again, again]), course())
+    assert story == ["the loss diverged at step 6 (3x its lowest, 2): rolled back to 4 (3x)"]
+    other = ev(4, "divergence", action="rollback", from_step=6, to_step=4, ratio=4.0, min_loss=2.0)
+    story = V._story(hist(events=[again, other]), course())
+    assert story == [
+        "the loss diverged at step 6 (3x its lowest, 2): rolled back to 4",
+        "the loss diverged at step 6 (4x its lowest, 2): rolled back to 4",
+    ]
