@@ -199,9 +199,13 @@ def _departure(
         if levels[j] <= band and levels[j + 1] <= band:
             back = vals[j].step
             break
-    # the rise is every row after the last one on course (the level crosses rows after it)
+    # the rise: every row after the last one on course, and the rows of the level's window
+    # (after its lowest row): the level crosses rows after the loss rose
     last_good = (on_course or vals[:1])[-1].step
-    until = [x for x in vals if x.step > last_good and (back is None or x.step < back)]
+    w0 = vals[max(low + 1, i - LEVEL_ROWS + 1)].step
+    until = [
+        x for x in vals if (x.step > last_good or x.step >= w0) and (back is None or x.step < back)
+    ]
     peak = max(until, key=lambda x: x.loss)
     lrs = [x for x in vals[low:] if x.step <= peak.step and x.learning_rate is not None]
     top = max(lrs, key=lambda x: x.learning_rate, default=None)

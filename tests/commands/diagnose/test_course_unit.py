@@ -667,6 +667,15 @@ def test_the_peak_is_where_the_loss_rose_to_not_only_the_rows_after_the_levels_c
     assert (d.peak, d.peak_step) == (3.0, 11)  # not 2.1 at step 14
 
 
+def test_the_peak_counts_the_rows_that_raised_the_level_even_before_a_row_on_course():
+    """Noisy rows: the level crosses only at the last row (the noise bar fell as the fall's
+    rows left the window), after a row back on course (11). The rows that raised the level
+    (8-10, in its window) are the rise: the peak is 10 at step 10, not the last row's 1."""
+    d = departure(rows([10.0, 3.0, 8.0, 1.0, 2.0, 3.0, 3.0, 6.0, 4.0, 10.0, 2.0, 1.0]))
+    assert (d.step, d.loss, d.min_loss, d.last_good_step) == (12, 4.0, 3.0, 11)
+    assert (d.peak, d.peak_step) == (10.0, 10)
+
+
 def test_a_departure_and_a_spike_are_episodes_in_step_order():
     losses = [4.0, 3.5, 3.0, 2.5] + [2.0] * 6 + [3.0, 3.0, 3.0, 3.5, 3.2] + [2.0] * 6
     losses[2] = 40.0
