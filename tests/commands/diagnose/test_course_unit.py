@@ -742,3 +742,90 @@ def test_the_first_bad_step_is_the_earliest_unresolved_trouble():
     assert C._first_bad(_course(dep(last_good_step=31), storm)) == 30
     # a departure that came back is no trouble
     assert C._first_bad(_course(dep(resolved_at=20, last_good_step=8))) is None
+
+
+# ---------------------------------------------------------------------------- edges (mutants)
+LOWEST = [4.0, 3.5, 3.0, 2.5] + [2.0] * 6  # its level is lowest (2.0) from step 7
+
+
+def test_a_row_at_exactly_25_percent_above_the_lowest_level_is_still_on_course():
+    d = departure(rows(LOWEST + [2.5, 3.0, 3.0, 3.0, 3.0]))
+    assert (d.step, d.last_good_step, d.peak, d.peak_step) == (14, 11, 3.0, 12)
+
+
+def test_back_at_the_last_two_rows_of_the_record():
+    d = departure(rows(LOWEST + [3.0] * 3 + [2.1] * 4))
+    assert (d.step, d.resolved_at) == (14, 16)  # the levels at 16 and 17, the last
+    assert departure(rows(LOWEST + [3.0] * 3 + [2.1] * 3)).resolved_at is None  # one level
+
+
+def test_once_fallen_a_flat_loss_departs_only_beyond_25_percent():
+    # no noise (every full window at 2.0): a 15% rise is on course
+    assert departure(rows([4.0] + [2.0] * 12 + [2.3] * 6)) is None
+    d = departure(rows([4.0] + [2.0] * 12 + [2.6] * 6))
+    assert (d.step, d.never_improved, d.min_step) == (16, False, 3)
+
+
+def test_a_crossing_at_the_last_but_one_row_needs_the_last_row_to_confirm_it():
+    assert departure(rows([4.0, 6.2, 4.5])) is None
+    # ... or a non-finite step between them
+    r = rows([4.0, 6.2]) + [Row(step=3, loss=NAN), Row(step=4, loss=4.5)]
+    assert departure(r).step == 2
+
+
+def test_the_lr_at_the_peak_row_counts():
+    losses = LOWEST + [3.0, 3.0, 3.0, 3.5, 3.2] + [2.0] * 6
+    lr = [0.1] * 10 + [0.4, 0.3, 0.2, 0.5, 0.9] + [0.9] * 6
+    d = departure(rows(losses, lr=lr))
+    assert (d.peak_step, d.lr_peak, d.lr_peak_step) == (14, 0.5, 14)
+
+
+def test_inferred_skips_edges():
+    c10 = CheckpointFacts("c10", 10, [], scale=1024.0, applied=10)
+    # one step, no update, the scale fell: that step
+    c11 = CheckpointFacts("c11", 11, [], scale=512.0, applied=10)
+    assert C._inferred_skips([c10, c11]) == (
+        [11],
+        ["c11: the optimizer applied no update in steps 11-11 (every step skipped)"],
+    )
+    # a pair without counts does not end the look at the pairs after it
+    bare = CheckpointFacts("b5", 5, [], scale=1024.0)
+    assert C._inferred_skips([bare, c10, c11])[0] == [11]
+    one = CheckpointFacts("c10", 10, [], scale=1.0, applied=10)
+    half = CheckpointFacts("c20", 20, [], scale=0.5, applied=19)  # 1 skipped, 1 halving, < 1
+    assert C._inferred_skips([one, half])[0] == [20]
+    assert C._inferred_skips([CheckpointFacts("b5", 5, [], scale=1.0), one, half])[0] == [20]
+    # a second checkpoint at the same step, without counts, is no interval
+    dup = CheckpointFacts("dup", 20, [], scale=0.25)
+    low = CheckpointFacts("c20", 20, [], scale=0.25, applied=18)
+    assert C._inferred_skips([one, low, dup]) == ([], [])
+
+
+def test_skip_episode_edges():
+    # only the run's own forward steps count: 1 of 4 here
+    assert C._skip_episodes([2, 5, 6, 7, 8], {2, 5}, 1, [30], None)[1].kind == "isolated"
+    assert C._skip_episodes([5, 6, 7, 8], {5, 9}, 1, [30], None)[0].kind == "isolated"
+    # a third forward is less than half
+    assert C._skip_episodes([5, 6, 7], {5}, 1, [30], None)[0].kind == "isolated"
+    # the scale before the run is the one in force at the step before it
+    h = hist(scale=[(1, 1024.0), (11, 512.0)])
+    assert C._skip_episodes([12], set(), 1, [30], h)[0].text == "1 step skipped at 12"
+
+
+def test_the_history_and_the_scalers_record_both_say_which_steps_trained():
+    # the history's rows after the skips end them, though the record stops before them
+    s = scaler([(u, 1024.0, rec.CLEAN, 3.0) for u in range(1, 5)])
+    h = hist([3.0] * 10, skipped=[5, 6])
+    assert [(e.kind, e.resolved) for e in run_course(h, s, []).episodes] == [("isolated", True)]
+    # the record's skipped updates at its end are no clean steps
+    kinds = [rec.CLEAN] * 3 + [rec.GRADIENT] * 4
+    s = scaler([(i + 1, 1024.0, k, 3.0) for i, k in enumerate(kinds)])
+    course = run_course(None, s, [])
+    assert [(e.kind, e.start, e.resolved) for e in course.episodes] == [("storm", 4, False)]
+    assert course.first_bad_step == 4
+
+
+def test_the_course_names_the_scale_from_the_history():
+    h = hist([3.0] * 20, skipped=range(5, 13), scale=[(1, 65536.0), (12, 256.0)])
+    (e,) = run_course(h, None, []).episodes
+    assert e.text == "8 steps skipped at 5–12 in a row (scale 65536 -> 256)"

@@ -977,3 +977,124 @@ def test_a_repeated_event_whose_text_has_a_parenthesis_is_told_once_counted():
         "the loss diverged at step 6 (3x its lowest, 2): rolled back to 4",
         "the loss diverged at step 6 (4x its lowest, 2): rolled back to 4",
     ]
+
+
+# ---------------------------------------------------------------------------- edges (mutants)
+def test_a_factor_between_1_and_2_is_the_cut_itself():
+    h = hist(rows([3.0] * 3), [ev(2, "divergence", action="rollback", lr_factor=1.5)])
+    assert lr_change(course(), h, None) == (
+        1.5,
+        "the guard's divergence rule rolled back at step 2 and cut it 1.5x",
+    )
+
+
+def test_a_checkpoint_without_a_step_is_older_than_one_at_step_0():
+    facts = [CheckpointFacts("cx", None, []), CheckpointFacts("c0", 0, [])]
+    assert V._checkpoints(facts, None)[1] == "c0"
+
+
+def test_seven_isolated_runs_are_shown_six_and_more():
+    seven = course(None, *[ep("isolated", s, s) for s in range(10, 80, 10)])
+    assert V._healthy_note(seven).startswith(
+        ": 7 isolated skipped steps (10, 20, 30, 40, 50, 60 ...), each"
+    )
+
+
+def test_the_lowest_loss_at_the_stop_itself_is_no_rise():
+    stop = ev(3, "divergence", action="stop")
+    assert V._lr_rise(rows([4.0, 3.0, 2.0], lr=[1.0, 1.0, 1.0]), stop) is None
+
+
+def test_overflow_words_name_the_episodes_own_parameters_and_count_two():
+    h = hist(events=[ev(3, "overflow", params=["early"]), ev(6, "overflow", params=["own"])])
+    assert V._overflow_words(h, ep("storm", 5, 6)) == (
+        "2 overflows at 5–6 (non-finite gradients in own)"
+    )
+
+
+def test_the_story_orders_by_step_then_as_found():
+    eps = [ep("departure", 30, 40, text="the loss rose")]
+    events = [
+        ev(30, "promotion", module="m"),
+        ev(20, "fallback", from_precision="fp16", to_precision="bf16", from_step=99),
+        ev(25, "overflow", discarded=True),
+    ]
+    assert V._story(hist(events=events), course(None, *eps)) == [
+        "fell back fp16 -> bf16 at step 20",  # its own step, whatever from_step it carries
+        "1 overflow(s) on steps a rollback discarded",
+        "the loss rose",  # found before the event of the same step
+        "the guard moved m to fp32 at step 30",
+    ]
+
+
+def test_an_lr_divergence_edges():
+    # a storm at the departure's own step is not what the rise led to
+    d = dep(resolved_at=None)
+    (p,) = history_problems(None, course(d, ep("storm", 10, 20, resolved=True)), None)
+    assert p.message.endswith("and did not come back: the learning rate is too high")
+    # the row at the departure's step counts for the peak before the non-finite steps
+    r = rows([6.0, 3.0, 4.0], start=10)
+    (p,) = history_problems(hist(r), course(dep(resolved_at=30), ep("storm", 13, 20)), None)
+    assert "to 6 (step 10), before the gradients went non-finite at step 13" in p.message
+    # the lr named when it came back more than 5% below its peak
+    d = dep(resolved_at=30, never_improved=True, lr_at_min=0.1, lr_peak=0.4, lr_back=0.3)
+    (p,) = history_problems(None, course(d), None)
+    assert "only at step 30, the lr down to 0.3: the learning" in p.message
+
+
+def test_judge_hands_its_parts_what_they_need():
+    # the history: an aborted run
+    h = hist(rows([3.0] * 5), aborted=Aborted(step=4, message="too many rollbacks"))
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=None)
+    assert [p.kind for p in j.problems] == ["run_aborted"]
+    assert j.course.first_step == 1 and j.course.last_step == 5
+    # the scaler: its growth interval, and its record when there is no history
+    bursts = [Burst(10, 14, 5, 1.0, True), Burst(20, 24, 5, 1.0, True)]
+    gi = ScalerState(kind="ampctl", enabled=True, scale=1.0, growth_interval=100)
+    h = hist(rows([3.0] * 5), bursts=bursts, scaler_records=100)
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=gi, rep=None, lr=None)
+    assert j.problems[0].message.endswith(", growth_interval 100")
+    rec_rows = [(u, 1.0, 0, 3.0) for u in range(1, 4)] + [(u, 1.0, 1, 3.0) for u in range(4, 12)]
+    s = ScalerState(kind="ampctl", enabled=True, scale=1.0, rows=rec_rows)
+    j = judge(own=None, siblings=[], problems=[], h=None, scaler=s, rep=None, lr=None)
+    assert [p.kind for p in j.problems] == ["overflow_storm"] and j.verdict.first_bad_step == 4
+    # the replay: the floor above S*
+    floor = ScalerState(kind="ampctl", enabled=True, scale=1.0, min_scale=1.0, at_floor=True)
+    j = judge(
+        own=None,
+        siblings=[],
+        problems=[Problem("scale_at_floor", "at the floor"), Problem("gradient_underflow", "u")],
+        h=None,
+        scaler=floor,
+        rep=rep(0.5),
+        lr=None,
+    )
+    assert j.collapse == "floor" and [p.kind for p in j.problems] == [
+        "scale_at_floor",
+        "gradient_underflow",
+    ]
+    # an overflow collapse: the underflow at the collapsed scale is not listed
+    j = judge(
+        own=None,
+        siblings=[],
+        problems=[Problem("scale_collapsed", "s"), Problem("gradient_underflow", "u")],
+        h=None,
+        scaler=None,
+        rep=None,
+        lr=None,
+    )
+    assert j.collapse == "overflow" and [p.kind for p in j.problems] == ["scale_collapsed"]
+    # the checkpoint: a spike after it is not its cause
+    losses = [1.0] * 30
+    losses[10] = losses[25] = 1e21
+    own = CheckpointFacts("c20", 20, ["nonfinite_weights"])
+    j = judge(
+        own=own,
+        siblings=[],
+        problems=[Problem("nonfinite_weights", "w")],
+        h=hist(rows(losses)),
+        scaler=None,
+        rep=None,
+        lr=None,
+    )
+    assert "a single loss of 1e+21 at step 11 (one batch" in j.problems[0].message
