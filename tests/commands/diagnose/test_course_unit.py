@@ -525,6 +525,7 @@ def test_k_skips_with_k_halvings_are_the_last_k_steps_when_the_storm_goes_on():
         [],
     )
     assert C._inferred_skips([c10s, CheckpointFacts("b", 20, [], applied=18)]) == ([], [])
+    assert C._inferred_skips([CheckpointFacts("a", 10, [], applied=10), low]) == ([], [])
     # every step applied, or more applied than steps: none skipped
     assert C._inferred_skips([c10s, CheckpointFacts("b", 20, [], scale=0.25, applied=20)]) == (
         [],
@@ -829,3 +830,17 @@ def test_the_course_names_the_scale_from_the_history():
     h = hist([3.0] * 20, skipped=range(5, 13), scale=[(1, 65536.0), (12, 256.0)])
     (e,) = run_course(h, None, []).episodes
     assert e.text == "8 steps skipped at 5–12 in a row (scale 65536 -> 256)"
+
+
+@pytest.mark.parametrize(
+    ("losses", "crossing", "peak_step"),
+    [
+        ([10.0, 4.0, 10.0], 3, 3),  # not the first row, before the lowest level (step 2)
+        ([10.0, 3.0, 10.0, 2.0, 10.0], 5, 3),  # the window's first row (3) counts
+        ([5.0, 3.0, 10.0, 1.0, 5.0, 8.0, 8.0], 7, 3),  # window 3-7, all five rows
+        ([3.0, 2.0, 10.0, 3.0, 5.0, 1.0, 1.0, 5.0, 4.0], 9, 5),  # window 5-9: not 10 at step 3
+    ],
+)
+def test_the_peak_is_in_the_levels_window_after_the_lowest_row(losses, crossing, peak_step):
+    d = departure(rows(losses))
+    assert (d.step, d.peak_step, d.peak) == (crossing, peak_step, losses[peak_step - 1])
