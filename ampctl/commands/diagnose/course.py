@@ -166,14 +166,17 @@ def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
         if lv > base + band:
             nxt = levels[i + 1] if i + 1 < len(vals) else None
             gap = i + 1 < len(vals) and any(
-                x.step > vals[i].step and x.step < vals[i + 1].step and not _finite(x.loss)
+                x.step > vals[i].step
+                and x.step < vals[i + 1].step
+                and x.loss is not None
+                and not math.isfinite(x.loss)
                 for x in rows
             )
             if nxt is None or gap or nxt > base + band / 2:
                 return _departure(vals, levels, i, low, rows)
         if lv < base:
             low = i
-            improved = improved or lv < (1 - RETURN / 2.5) * levels[0]
+            improved = improved or lv < levels[0] - RETURN / 2.5 * abs(levels[0])
     return None
 
 
@@ -187,23 +190,29 @@ def _departure(
     r, base = vals[i], levels[low]
     # the last row still on course: its own loss, not only its level, within the band; when
     # the loss never fell, the row it rose from
-    never = base >= (1 - RETURN / 2.5) * levels[0]
-    band_ = (1 + DEPARTURE) * base
+    never = base >= levels[0] - RETURN / 2.5 * abs(levels[0])
+    band_ = base + DEPARTURE * abs(base)
     on_course = [x for x in vals[: low + 1 if never else i] if x.loss <= band_]
     back = None
-    band = (1 + RETURN) * base
+    band = base + RETURN * abs(base)
     for j in range(i, len(vals) - 1):
         if levels[j] <= band and levels[j + 1] <= band:
             back = vals[j].step
             break
-    until = [x for x in vals[i:] if back is None or x.step < back]
+    # the rise: every row after the last one on course, and the rows of the level's window
+    # (after its lowest row): the level crosses rows after the loss rose
+    last_good = (on_course or vals[:1])[-1].step
+    w0 = vals[max(low + 1, i - LEVEL_ROWS + 1)].step
+    until = [
+        x for x in vals if (x.step > last_good or x.step >= w0) and (back is None or x.step < back)
+    ]
     peak = max(until, key=lambda x: x.loss)
     lrs = [x for x in vals[low:] if x.step <= peak.step and x.learning_rate is not None]
     top = max(lrs, key=lambda x: x.learning_rate, default=None)
     at_back = next((x.learning_rate for x in vals if x.step == back), None)
     return Departure(
         step=r.step,
-        last_good_step=(on_course or vals[:1])[-1].step,
+        last_good_step=last_good,
         loss=levels[i],
         min_loss=base,
         min_step=vals[low].step,

@@ -463,14 +463,13 @@ def _story(h: History | None, course: Course) -> list[str]:
     if discarded:
         items.append((discarded[0], f"{len(discarded)} overflow(s) on steps a rollback discarded"))
     items.sort(key=lambda x: x[0])
-    out: list[str] = []
+    told: list[list] = []  # [text, times]
     for t in (t for _, t in items):  # a repeated event once, counted
-        if out and out[-1].split(" (", 1)[0] == t and out[-1].startswith(t):
-            n = int(out[-1].rsplit("(", 1)[1].rstrip("x)")) if out[-1].endswith("x)") else 1
-            out[-1] = f"{t} ({n + 1}x)"
+        if told and told[-1][0] == t:
+            told[-1][1] += 1
         else:
-            out.append(t)
-    return out
+            told.append([t, 1])
+    return [t if n == 1 else f"{t} ({n}x)" for t, n in told]
 
 
 def _acted_on(h: History | None, e: Episode) -> bool:
