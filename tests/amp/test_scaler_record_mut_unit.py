@@ -105,6 +105,19 @@ def test_loss_since_keeps_a_vetoed_loss_once_the_step_was_applied():
 
 
 # ------------------------------------------------------------------ first_loss after a load
+def test_the_first_loss_is_none_when_the_loaded_records_start_after_update_one():
+    src = Run(history_size=2)
+    for loss in (1.0, 2.0, 3.0, 4.0, 5.0):
+        src.step(loss=loss)
+    sd = src.s.state_dict()
+    assert sd["num_updates"] == 5 and sd["records"].shape[0] == 2
+    dst = LossScaler(history_size=10)
+    dst.load_state_dict(sd)
+    dst.init_state("cpu")
+    assert dst.first_loss() is None  # update 1's loss is not among the records kept
+    assert dst.recent_records(10)[:, rec.LOSS].tolist() == [4.0, 5.0]
+
+
 def test_the_first_loss_after_loading_every_record():
     src = Run(history_size=4)
     for loss in (1.0, 2.0, 3.0):
