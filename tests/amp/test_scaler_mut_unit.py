@@ -150,6 +150,22 @@ def test_a_step_that_was_not_skipped_counts_as_clean_whatever_its_loss():
     assert r.trackers() == (128.0, 0, 2) and r.s.skipped_steps == 0
 
 
+def test_a_reported_norm_costs_no_op_without_a_norm_threshold():
+    r = Run()
+    r.s.scale(torch.tensor(1.0))
+    for p in r.model.parameters():
+        p.grad = torch.ones_like(p)
+    r.s.unscale_(r.opt)
+    norm = torch.tensor(3.0)
+    with count_ops() as c:
+        r.s.report_grad_norm(norm)  # recorded only: no veto to compute
+    assert c.total == 0
+    r.s.set_spike_thresholds(grad_norm=10.0)
+    with count_ops() as c:
+        r.s.report_grad_norm(norm)  # the veto: two ops
+    assert c.total == 2
+
+
 # ------------------------------------------------------------------ set_growth_interval
 def test_lowering_the_interval_clamps_the_live_tracker_and_grows_next():
     r = Run(growth_interval=10)
