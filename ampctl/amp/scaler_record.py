@@ -109,8 +109,9 @@ class StepRecord:
     def first_loss(self) -> torch.Tensor | None:
         """The loss recorded at update 1 -- the model's before any update -- as a 0-dim float64
         device tensor, or None before it or once the records have moved past it (more than
-        ``history_size`` updates). No host read."""
-        if self._t is None or self._num_updates < 1 or self._num_updates > self._history_size:
+        ``history_size`` updates, or a state loaded with fewer records than updates). No host
+        read."""
+        if self._t is None or self._num_updates < 1 or self._num_updates > self._kept:
             return None
         return self._rows(self._num_updates)[0, rec.LOSS].double()
 
