@@ -50,16 +50,6 @@ class Run:
         return sd["scale"], sd["_growth_tracker"], sd["_hysteresis_tracker"]
 
 
-@pytest.fixture
-def float64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 # ------------------------------------------------------------------ bounds (hysteresis=1)
 def test_a_ceiling_alone_clamps_the_grown_scale():
     r = Run(init_scale=4.0, growth_interval=1, min_scale=0.0, max_scale=4.0)

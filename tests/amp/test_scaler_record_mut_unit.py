@@ -38,16 +38,6 @@ class Run:
         return [int(k) for _, _, k in self.s.history()]
 
 
-@pytest.fixture
-def float64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def _state(**kw) -> dict:
     return {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100,
             "_growth_tracker": 0, **kw}  # fmt: skip
