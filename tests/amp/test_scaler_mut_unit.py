@@ -32,6 +32,13 @@ class Run:
         self.model = nn.Linear(1, 1)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
 
+    def until_update(self) -> None:
+        """``scale``, gradients of ones, ``step``: the iteration up to its ``update()``."""
+        self.s.scale(torch.tensor(1.0))
+        for p in self.model.parameters():
+            p.grad = torch.ones_like(p)
+        self.s.step(self.opt)
+
     def step(self, grad: float = 1.0, loss: float = 1.0, norm: float | None = None) -> None:
         """One iteration: ``scale(loss)``, then gradients set to ``grad`` (times the scale, as
         a backward pass would leave them), ``unscale_``, an optional norm, ``step``, ``update``."""
@@ -65,19 +72,13 @@ def test_a_floor_of_one_alone_holds_the_scale_after_a_back_off():
 
 def test_a_scaler_without_bounds_spends_no_clamp_on_the_update():
     r = Run(min_scale=0.0, max_scale=INF)
-    r.s.scale(torch.tensor(1.0))
-    for p in r.model.parameters():
-        p.grad = torch.ones_like(p)
-    r.s.step(r.opt)
+    r.until_update()
     with count_ops() as c:
         r.s.update()
     assert c.by_op["clamp"] + c.by_op["clamp_"] == 0
     r.s.set_bounds(1.0, INF)  # with a bound: exactly one clamp
     r.step()
-    r.s.scale(torch.tensor(1.0))
-    for p in r.model.parameters():
-        p.grad = torch.ones_like(p)
-    r.s.step(r.opt)
+    r.until_update()
     with count_ops() as c:
         r.s.update()
     assert c.by_op["clamp"] + c.by_op["clamp_"] == 1

@@ -21,19 +21,13 @@ from ampctl.commands.diagnose.stages import (
     History,
     Problem,
     Replay,
-    Row,
     ScalerState,
 )
 from ampctl.commands.diagnose.verdict import history_problems, judge, lr_change, params_in
 
+from .test_course_unit import rows
+
 INF, NAN = math.inf, math.nan
-
-
-def rows(losses, start=1, lr=None):
-    return [
-        Row(step=start + i, loss=v, learning_rate=None if lr is None else lr[i])
-        for i, v in enumerate(losses)
-    ]
 
 
 def ev(step, kind, message="", **data):
