@@ -58,6 +58,9 @@ __all__ = [
     "ResourceRefused",
     "checked_file",
     "read_bounded",
+    "MAX_LINE",
+    "open_checked",
+    "iter_lines",
     "check_tree",
     "parse_size",
     "human_size",
@@ -194,6 +197,10 @@ def check_saved_config(
 # ---------------------------------------------------------------------------- resources
 #: Largest file read whole (JSON, YAML, JSONL, DeepSpeed's ``latest``, DCP's ``.metadata``).
 MAX_WHOLE_FILE = 64 << 20
+#: Longest single line (a JSONL row, a CSV record) or entry a streaming reader takes: one longer
+#: is skipped and counted, the rest of the file is still read (a file is never refused for its
+#: size alone).
+MAX_LINE = 1 << 20
 #: Deepest nesting and most values of a saved config (ampctl's own are ~6 levels, ~200 values).
 MAX_DEPTH = 100
 MAX_NODES = 1_000_000
@@ -273,6 +280,42 @@ def read_bounded(path: str | Path, *, limit: int = MAX_WHOLE_FILE) -> bytes:
     if len(data) > limit:
         raise FileRefused(path, f"grew past the {human_size(limit)} limit while read: not read")
     return data
+
+
+def open_checked(path: str | Path) -> tuple[Any, os.stat_result]:
+    """A binary file object for a file that may be opened (:func:`checked_file`), opened without
+    following a final symlink unless :func:`checked_file` allowed it; the caller closes it."""
+    st = checked_file(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (the caller closes it)
+    except OSError as e:
+        raise FileRefused(path, f"cannot be read: {e.strerror or e}") from None
+    return f, st
+
+
+def iter_lines(
+    path: str | Path, *, line_limit: int = MAX_LINE, chunk: int = 1 << 16
+) -> Iterator[tuple[int, bytes | None]]:
+    """The lines of a file, streamed: ``(number, bytes)`` with the 1-based line number and the
+    line without its end; a line longer than ``line_limit`` bytes comes as ``(number, None)``
+    (skipped, never held whole). Memory is one chunk plus one line, time linear in the file.
+    Raises :class:`FileRefused` (before the first line) for a file that may not be opened."""
+    f, _st = open_checked(path)
+    with f:
+        n = 0
+        while True:
+            line = f.readline(line_limit + 1)
+            if not line:
+                return
+            n += 1
+            if len(line) > line_limit and not line.endswith(b"\n"):
+                while True:  # the rest of the overlong line, a chunk at a time
+                    rest = f.readline(chunk)
+                    if not rest or rest.endswith(b"\n"):
+                        break
+                yield n, None
+                continue
+            yield n, line.rstrip(b"\r\n")
 
 
 def check_tree(

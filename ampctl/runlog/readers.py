@@ -18,12 +18,20 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ampctl.errors import UsageError, first_line
-from ampctl.trust import FileRefused, ResourceRefused, check_tree, read_bounded
+from ampctl.trust import (
+    MAX_LINE,
+    FileRefused,
+    ResourceRefused,
+    check_tree,
+    iter_lines,
+    read_bounded,
+)
 
 from .layout import RunLayout
 
@@ -32,6 +40,7 @@ __all__ = [
     "RunRecord",
     "RunFileError",
     "read_jsonl",
+    "iter_jsonl",
     "read_json",
     "load_json",
     "read_config_text",
@@ -85,6 +94,7 @@ class JsonlRows:
     rows: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: list[int] = field(default_factory=list)
     error: str | None = None
+    bad_count: int = 0  # every unreadable line (``bad_lines`` keeps the first numbers)
 
     def __iter__(self):
         return iter(self.rows)
@@ -94,13 +104,7 @@ class JsonlRows:
 
     def note(self, path: Path) -> str | None:
         """One line about what could not be read, or None when every line was read."""
-        if self.error is not None:
-            return f"{path}: unreadable: {self.error}"
-        if not self.bad_lines:
-            return None
-        where = ", ".join(str(n) for n in self.bad_lines[:5])
-        more = f" and {len(self.bad_lines) - 5} more" if len(self.bad_lines) > 5 else ""
-        return f"{path}: skipped {len(self.bad_lines)} unreadable line(s) ({where}{more})"
+        return _note(path, self.error, self.bad_lines, max(self.bad_count, len(self.bad_lines)))
 
 
 def _json_value(line: str) -> Any:
@@ -111,30 +115,91 @@ def _json_value(line: str) -> Any:
         raise ValueError("nested too deeply") from None
 
 
-def read_jsonl(path: str | Path) -> JsonlRows:
-    """Rows of a JSONL file (a missing file has none). Never raises for bad content; a file
-    over the size cap or that may not be opened gives no rows and ``error``."""
-    out = JsonlRows()
-    p = Path(path)
-    if not p.exists() and not p.is_symlink():
-        return out
-    try:
-        data = _bytes(p)
-    except RunFileError as e:
-        out.error = e.reason
-        return out
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
+class JsonlStream:
+    """The objects of a JSONL file, streamed in one pass (one line in memory at a time): iterate
+    it once; afterwards :attr:`bad_lines` (the first :data:`KEPT_BAD_LINES` numbers),
+    :attr:`bad_count` and :attr:`error` say what could not be read, as :class:`JsonlRows` does.
+
+    A line that is not a JSON object, or longer than ``line_limit`` bytes, is skipped and
+    counted; the file is never refused for its size."""
+
+    KEPT_BAD_LINES = 100
+
+    def __init__(self, path: str | Path, *, line_limit: int = MAX_LINE) -> None:
+        self.path = Path(path)
+        self.line_limit = line_limit
+        self.bad_lines: list[int] = []
+        self.bad_count = 0
+        self.error: str | None = None
+        self.lines = 0
+
+    def _bad(self, n: int) -> None:
+        self.bad_count += 1
+        if len(self.bad_lines) < self.KEPT_BAD_LINES:
+            self.bad_lines.append(n)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        p = self.path
+        if not p.exists() and not p.is_symlink():
+            return
         try:
-            obj = _json_value(line)
-        except ValueError:
-            out.bad_lines.append(i)
-            continue
-        if isinstance(obj, dict):
-            out.rows.append(obj)
-        else:
-            out.bad_lines.append(i)
+            lines = iter_lines(p, line_limit=self.line_limit)
+            first = True
+            for n, raw in lines:
+                self.lines = n
+                if first:
+                    first = False
+                    why = _what_it_holds(raw or b"")
+                    if why is not None:
+                        self.error = why
+                        return
+                if raw is None:
+                    self._bad(n)
+                    continue
+                if not raw.strip():
+                    continue
+                try:
+                    obj = _json_value(raw.decode("utf-8", errors="replace"))
+                except ValueError:
+                    self._bad(n)
+                    continue
+                if isinstance(obj, dict):
+                    yield obj
+                else:
+                    self._bad(n)
+        except FileRefused as e:
+            self.error = e.reason
+
+    def note(self, path: Path | None = None) -> str | None:
+        """One line about what could not be read, or None when every line was read."""
+        return _note(path or self.path, self.error, self.bad_lines, self.bad_count)
+
+
+def _note(path: Path, error: str | None, bad_lines: list[int], count: int) -> str | None:
+    if error is not None:
+        return f"{path}: unreadable: {error}"
+    if not count:
+        return None
+    where = ", ".join(str(n) for n in bad_lines[:5])
+    more = f" and {count - 5} more" if count > 5 else ""
+    return f"{path}: skipped {count} unreadable line(s) ({where}{more})"
+
+
+def iter_jsonl(path: str | Path, *, line_limit: int = MAX_LINE) -> JsonlStream:
+    """The objects of a JSONL file, streamed (see :class:`JsonlStream`): a missing file has
+    none; never raises for bad content or for the file's size."""
+    return JsonlStream(path, line_limit=line_limit)
+
+
+def read_jsonl(path: str | Path, *, line_limit: int = MAX_LINE) -> JsonlRows:
+    """Rows of a JSONL file, all kept (a missing file has none): for files whose rows are all
+    needed at once (events, a resume's rows). Reads through :func:`iter_jsonl`, so a line over
+    ``line_limit`` is skipped and counted, never the whole file refused; a reader of a history of
+    any length streams with :func:`iter_jsonl` instead."""
+    stream = iter_jsonl(path, line_limit=line_limit)
+    out = JsonlRows(rows=list(stream))
+    out.bad_lines, out.error = stream.bad_lines, stream.error
+    out.bad_count = stream.bad_count
     return out
 
 
