@@ -10,7 +10,7 @@
 #
 # What is mutated and which tests run: [tool.mutmut] in pyproject.toml. Afterwards
 # `mutmut results` lists the survivors, `mutmut show NAME` shows one as a diff. The script ends
-# with the score and exits 1 when a mutant survived that docs/mutation-survivors.md does not
+# with the score and exits 1 when a mutant survived that tests/mutation/survivors.md does not
 # list (with why it is equivalent or accepted), or when no test reached a mutant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,11 +61,11 @@ print(f"\nmutation: {killed} killed, {counts['survived']} survived, {counts['tim
       f"{counts['no tests']} without tests, {counts['suspicious']} suspicious, of {tested} "
       f"tested; score {killed / max(tested, 1):.1%}, survivors {counts['survived'] / max(tested, 1):.1%}"
       + (f"; wall {int(sys.argv[1]) // 60} min {int(sys.argv[1]) % 60} s" if sys.argv[1] else ""))
-doc = Path("docs/mutation-survivors.md")
+doc = Path("tests/mutation/survivors.md")
 listed = set(re.findall(r"`([\w.ǁ]+__mutmut_\d+)`", doc.read_text() if doc.exists() else ""))
 new = sorted(set(survivors) - listed)
 if new:
-    print(f"{len(new)} survivors not in docs/mutation-survivors.md (mutmut show NAME):")
+    print(f"{len(new)} survivors not in tests/mutation/survivors.md (mutmut show NAME):")
     print("\n".join(f"  {n}" for n in new))
 if untested:
     print("not reached by any selected test, or timed out:")
