@@ -399,10 +399,16 @@ def memory_limit() -> tuple[int, str]:
     return limit, source
 
 
-def check_memory(need: int, *, what: str, flag: str | None = "--max-memory") -> None:
+def check_memory(
+    need: int, *, what: str, flag: str | None = "--max-memory", mapped: int = 0
+) -> None:
     """Refuse ``what`` when it needs more than :func:`memory_limit` (estimated before anything
-    is allocated). Raises :class:`ResourceRefused` naming both sizes and how to raise it."""
+    is allocated). ``mapped``: bytes of files it maps (address space, not memory: they count
+    only against an address-space limit, ``RLIMIT_AS``). Raises :class:`ResourceRefused` naming
+    both sizes and how to raise it."""
     limit, source = memory_limit()
+    if mapped and _MAX_MEMORY.get() is None and source.startswith("what this process's address"):
+        need += mapped
     if need <= limit:
         return
     hint = f"; if the machine has the memory, pass {flag} SIZE (e.g. {flag} 64G)" if flag else ""
@@ -466,10 +472,11 @@ def torch_file_layout(path: str | Path) -> tuple[int, int, int]:
 STREAM_OVERHEAD = 64 << 20
 
 
-def streaming_need(largest: int, *, extra: int = 0, factor: float = 2.0) -> int:
+def streaming_need(largest: int, *, extra: int = 0, factor: float = 1.0) -> int:
     """Memory a checkpoint read one tensor at a time takes: ``factor`` times its largest tensor
-    (the tensor, and its bytes in flight while it is read) plus :data:`STREAM_OVERHEAD` and
-    ``extra`` (the objects a pickle builds), never the size of the file."""
+    (the tensor's pages, mapped from the file while its figures are taken) plus
+    :data:`STREAM_OVERHEAD` and ``extra`` (the objects a pickle builds), never the size of the
+    file."""
     return int(factor * largest) + STREAM_OVERHEAD + extra
 
 

@@ -304,7 +304,11 @@ def load_torch(path: str | Path) -> Any:
     # a zip archive is memory-mapped: only the pickle's objects and what a reader touches at
     # once (about its largest tensor) are held; a legacy file is read whole
     need = streaming_need(largest, extra=10 * pickled) if mmap else storages + 3 * largest
-    check_memory(need, what=f"{str(p)!r} ({human_size(storages)} of tensors)")
+    check_memory(
+        need,
+        what=f"{str(p)!r} ({human_size(storages)} of tensors)",
+        mapped=p.stat().st_size if mmap else 0,
+    )
     try:
         return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line
@@ -436,7 +440,11 @@ def safetensors_tensors(path: str | Path) -> LazyTensors:
     entries, _data = _safetensors_header(p)
     largest = max((e[4] for e in entries), default=0)
     total = sum(e[4] for e in entries)
-    check_memory(streaming_need(largest), what=f"{str(p)!r} ({human_size(total)} of tensors)")
+    check_memory(
+        streaming_need(largest),
+        what=f"{str(p)!r} ({human_size(total)} of tensors)",
+        mapped=p.stat().st_size,  # safe_open maps the whole file
+    )
     with _safe_open(p) as f:  # the library's own checks of the header, once
         names = set(f.keys())
     sources = []
