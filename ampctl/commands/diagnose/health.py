@@ -50,22 +50,27 @@ _SQUARED_KEYS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum")
 
 
 # ---------------------------------------------------------------------------- tensor figures
-#: Elements a tensor's figures are computed over at once: a chunk of a large tensor (its
-#: temporaries stay a few times this many bytes, whatever the tensor's size).
-CHUNK = 1 << 21
+#: Elements counted at once where a tensor is not all finite, or exceeds its limit: a chunk
+#: of a large tensor (the masks and magnitudes stay a few times this many bytes).
+CHUNK = 1 << 22
 _NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _chunks(t: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
-    """``(chunk, times)``: views of ``t`` of at most :data:`CHUNK` elements, each standing for
-    ``times`` copies of itself. A dimension of stride 0 (an expanded view: one value shown many
-    times) is taken once and counted ``size`` times, so a view is never expanded; nothing is
-    copied but a chunk of a tensor that is not contiguous. Reads no device value."""
+def _collapsed(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(view, times)``: ``t`` with every dimension of stride 0 (an expanded view: one value
+    shown many times) narrowed to one element, and how many times each element is shown. A
+    view is never expanded: its figures are the narrowed view's, counts times ``times``."""
     times = 1
     for d in range(t.dim()):
         if t.stride(d) == 0 and t.shape[d] > 1:
             times *= t.shape[d]
             t = t.narrow(d, 0, 1)
+    return t, times
+
+
+def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views of ``t`` of at most :data:`CHUNK` elements covering it once (a chunk of a view
+    that is not contiguous is copied when flattened: at most a chunk). Reads nothing."""
     stack = [t]
     while stack:
         v = stack.pop()
@@ -73,45 +78,54 @@ def _chunks(t: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
         if n == 0:
             continue
         if v.is_contiguous() or n <= CHUNK:
-            flat = v.reshape(-1) if n <= CHUNK else v.view(-1)
+            flat = v.reshape(-1)  # a view when contiguous; a copy of at most a chunk otherwise
             for off in range(0, n, CHUNK):
-                yield flat[off : off + CHUNK], times
+                yield flat[off : off + CHUNK]
             continue
         row = n // v.shape[0]  # not contiguous and larger than a chunk: split its first dim
         step = max(CHUNK // max(row, 1), 1)
-        if step == 1:
-            stack.extend(v[i] for i in range(v.shape[0] - 1, -1, -1))
-        else:
-            stack.extend(v[i : i + step] for i in reversed(range(0, v.shape[0], step)))
+        stack.extend(v[i : i + step] for i in reversed(range(0, v.shape[0], step)))
 
 
 def tensor_figures(t: torch.Tensor, limit: float) -> list[float]:
     """[nan count, +inf count, -inf count, count above limit, max finite |x|, numel] of one
-    tensor, computed chunk by chunk (:data:`CHUNK` elements at a time: temporaries stay bounded
-    and a stride-0 view is never expanded). A chunk that is all finite costs two passes (as a
-    bare ``isfinite().all()`` + ``abs().amax()`` does); the others are counted exactly.
-    **Reads device values on the host** once per chunk (an offline check)."""
+    tensor. One pass of ``aminmax`` over the whole tensor (no temporary; NaN and inf show in
+    its min or max) settles a tensor that is all finite and within ``limit``, the usual case;
+    any other is counted exactly, :data:`CHUNK` elements at a time (temporaries bounded). A
+    stride-0 view is never expanded. **Reads device values on the host** (an offline check)."""
     t = t.detach()
+    numel = t.numel()
+    if numel == 0:
+        return [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    base, times = _collapsed(t)
+    if base.dtype in _NATIVE:
+        lo, hi = (float(x) for x in torch.aminmax(base))
+        if math.isfinite(lo) and math.isfinite(hi):
+            top = max(abs(lo), abs(hi))
+            above = 0
+            if top > limit:
+                above = sum(int((c.abs().float() > limit).sum()) for c in _chunks(base))
+            return [0.0, 0.0, 0.0, float(above * times), top, float(numel)]
     nan = pos = neg = above = 0
     top = 0.0
-    numel = t.numel()
-    for c, times in _chunks(t):
+    for c in _chunks(base):
         if c.dtype not in _NATIVE:
             c = c.float()  # fp8 and friends: a chunk's upcast is bounded
-        if bool(torch.isfinite(c).all()):
-            mx = float(c.abs().amax())
-            if mx > limit:
-                above += int((c.abs().float() > limit).sum()) * times
-            top = max(top, mx)
-            continue
         fin = torch.isfinite(c)
-        nan += int(torch.isnan(c).sum()) * times
-        pos += int(torch.isposinf(c).sum()) * times
-        neg += int(torch.isneginf(c).sum()) * times
+        nan += int(torch.isnan(c).sum())
+        pos += int(torch.isposinf(c).sum())
+        neg += int(torch.isneginf(c).sum())
         mag = torch.where(fin, c, torch.zeros((), dtype=c.dtype)).abs().float()
-        above += int((mag > limit).sum()) * times
+        above += int((mag > limit).sum())
         top = max(top, float(mag.max()))
-    return [float(nan), float(pos), float(neg), float(above), top, float(numel)]
+    return [
+        float(nan * times),
+        float(pos * times),
+        float(neg * times),
+        float(above * times),
+        top,
+        float(numel),
+    ]
 
 
 def _tensor_figures(tensors: list[torch.Tensor], limits: list[float]) -> list[list[float]]:
