@@ -181,7 +181,8 @@ def test_a_stride_zero_view_is_never_expanded(tmp_path, monkeypatch):
 def test_figures_are_exact_chunk_by_chunk(monkeypatch):
     monkeypatch.setattr(health, "CHUNK", 1000)
     x = torch.zeros(97, 131, dtype=torch.bfloat16)
-    x[3, 4], x[50, 7], x[96, 130] = float("nan"), float("inf"), -float("inf")
+    x[0, 0], x[3, 4], x[50, 7] = float("nan"), float("nan"), float("inf")
+    x[96, 130] = -float("inf")
     x[10, 10], x[90, 1] = 7e4, -8e4
     for t in (x, x.t(), x[::2, 1::3]):
         ref = t.float()
