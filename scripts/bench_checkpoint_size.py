@@ -6,7 +6,8 @@ plants a NaN (two bytes at one tensor's offset) and measures, in this one proces
 * ``bare``: a bare loop over the file: ``safe_open`` + ``get_tensor`` + ``isfinite().all()`` +
   ``abs().amax()`` per tensor (what any checker must at least do);
 * ``ampctl``: diagnose's state health (``readers.read`` + ``state_health``) on the same file;
-* the ratio of their read throughputs (goal: ampctl >= 0.5x the bare loop);
+* the ratio of their read throughputs (goal: ampctl >= 0.5x the bare loop), and against a
+  faster bare loop (one ``aminmax`` per tensor, ``minmax``) for scale;
 
 then runs ``ampctl diagnose --json`` on it in a subprocess and reads that process's peak RSS
 (``VmHWM`` of the child; goal <= 2 GB) and whether the report names the planted tensor.
@@ -89,6 +90,20 @@ def bare_loop(paths: list[Path]) -> tuple[float, int]:
     return time.perf_counter() - t0, bad
 
 
+def minmax_loop(paths: list[Path]) -> float:
+    """The fastest bare check we know: one ``aminmax`` per tensor (NaN and inf show in it)."""
+    import torch
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    for p in paths:
+        with safe_open(str(p), framework="pt", device="cpu") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open is no dict
+                lo, hi = torch.aminmax(f.get_tensor(k))
+                float(lo), float(hi)
+    return time.perf_counter() - t0
+
+
 def ampctl_health(target: Path) -> tuple[float, list[str]]:
     from ampctl.commands.diagnose import readers
     from ampctl.commands.diagnose.health import state_health
@@ -135,6 +150,7 @@ def named(doc: dict, tensor: str) -> bool:
 def measure(label: str, target: Path, files: list[Path], size: int, planted: str) -> dict:
     gb = size / 1e9
     bare_s, bare_bad = bare_loop(files)
+    minmax_s = minmax_loop(files)
     amp_s, amp_bad = ampctl_health(target)
     child_s, rss, doc = diagnose_child(target)
     row = {
@@ -145,6 +161,8 @@ def measure(label: str, target: Path, files: list[Path], size: int, planted: str
         "ampctl_s": round(amp_s, 2),
         "ampctl_gb_s": round(gb / amp_s, 2),
         "ratio": round(bare_s / amp_s, 2),
+        "minmax_s": round(minmax_s, 2),
+        "ratio_vs_minmax": round(minmax_s / amp_s, 2),
         "diagnose_s": round(child_s, 1),
         "peak_rss_gb": round(rss / 1e9, 2),
         "nan_named": named(doc, planted) and planted in amp_bad and bare_bad == 1,

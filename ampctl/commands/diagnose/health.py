@@ -90,8 +90,9 @@ def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
 def tensor_figures(t: torch.Tensor, limit: float) -> list[float]:
     """[nan count, +inf count, -inf count, count above limit, max finite |x|, numel] of one
     tensor. One pass of ``aminmax`` over the whole tensor (no temporary; NaN and inf show in
-    its min or max) settles a tensor that is all finite and within ``limit``, the usual case;
-    any other is counted exactly, :data:`CHUNK` elements at a time (temporaries bounded). A
+    its min or max) settles a tensor that is all finite, the usual case; any other is taken
+    :data:`CHUNK` elements at a time, each chunk settled the same way or, when it holds a
+    non-finite value, counted exactly (temporaries bounded by the chunk). A
     stride-0 view is never expanded. **Reads device values on the host** (an offline check)."""
     t = t.detach()
     numel = t.numel()
@@ -111,6 +112,13 @@ def tensor_figures(t: torch.Tensor, limit: float) -> list[float]:
     for c in _chunks(base):
         if c.dtype not in _NATIVE:
             c = c.float()  # fp8 and friends: a chunk's upcast is bounded
+        lo, hi = (float(x) for x in torch.aminmax(c))
+        if math.isfinite(lo) and math.isfinite(hi):  # this chunk is clean: one pass
+            mx = max(abs(lo), abs(hi))
+            if mx > limit:
+                above += int((c.abs().float() > limit).sum())
+            top = max(top, mx)
+            continue
         fin = torch.isfinite(c)
         nan += int(torch.isnan(c).sum())
         pos += int(torch.isposinf(c).sum())
