@@ -211,7 +211,10 @@ def _dedup(tensors: Mapping[str, Any]) -> list[TensorSource]:
     return out
 
 
-def _source(name: str, t: torch.Tensor) -> TensorSource:
+def _source(name: str, t: torch.Tensor | TensorSource) -> TensorSource:
+    """A tensor of the state as a source (one not read yet, e.g. DCP's, as it is)."""
+    if isinstance(t, TensorSource):
+        return t
     return TensorSource(name, tuple(t.shape), t.dtype, view_bytes(t), id(t), lambda: t)
 
 
@@ -221,7 +224,7 @@ def _state_shape(st: Any) -> tuple[int, ...] | None:
         return None
     for key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum"):
         t = st.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
+        if isinstance(t, torch.Tensor | TensorSource) and len(t.shape) > 0:
             return tuple(t.shape)
     return None
 
@@ -413,9 +416,9 @@ def _optimizer_entries(found: Found) -> tuple[list[Entry] | None, dict[Any, str]
         if not isinstance(st, dict):
             continue
         for key, t in st.items():
-            if key == "step" or not isinstance(t, torch.Tensor):
+            if key == "step" or not isinstance(t, torch.Tensor | TensorSource):
                 continue
-            if not t.is_floating_point() or t.dim() == 0:
+            if not t.dtype.is_floating_point or len(t.shape) == 0:
                 continue
             limit = FP16_MAX**2 if key in _SQUARED_KEYS else FP16_MAX
             p = pname.get(pid, f"param[{pid}]")
