@@ -222,3 +222,39 @@ def test_replay_that_does_not_fit_is_skipped_with_one_line(tmp_path):
     assert reason.startswith("the replay needs the whole model rebuilt (in fp32, with gradients")
     assert "more than the 100.0 MiB allowed: skipped" in reason
     assert "pass --max-memory SIZE" in reason and "--device cuda" in reason
+
+
+def test_dcp_items_are_read_one_at_a_time(tmp_path, monkeypatch):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp_api
+
+    from ampctl.commands.diagnose.readers import dcp
+
+    model = {f"layer{i}.weight": torch.randn(160, 128) for i in range(6)}
+    model["layer4.weight"][7, 7] = float("nan")
+    model["layer1.bias"] = torch.zeros(128)  # small: read up front
+    optim = {"state": {k: {"exp_avg": torch.zeros_like(v)} for k, v in model.items()}}
+    optim["state"]["layer2.weight"]["exp_avg"][0, 0] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_api.save({"model": model, "optim": optim}, checkpoint_id=str(tmp_path / "ck"))
+    state = {"live": 0, "peak": 0, "loads": 0}
+    real = dcp._one_item
+
+    def counted(*a):
+        t = real(*a)
+        state["loads"] += 1
+        state["live"] += 1
+        state["peak"] = max(state["peak"], state["live"])
+        weakref.finalize(t, lambda: state.__setitem__("live", state["live"] - 1))
+        return t
+
+    monkeypatch.setattr(dcp, "_one_item", counted)
+    found = readers.read(tmp_path / "ck")
+    assert state["loads"] == 0
+    st = state_health(found)
+    assert state["loads"] == 12 and state["peak"] == 1  # 6 weights, 6 moments, one at a time
+    assert [b.name for b in st.weights.bad] == ["layer4.weight"]
+    assert [b.param for b in st.optimizer.bad] == ["layer2.weight"]
+    assert st.weights.tensors == 7
