@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import accelerate, ampctl, dcp, deepspeed, hf, lightning, plain, weights
+from . import accelerate, ampctl, dcp, deepspeed, hf, lightning, model_folder, plain, weights
 from .base import Found, NotACheckpoint, ReaderError, load_torch
 
 __all__ = ["FORMATS", "read", "Found", "ReaderError", "NotACheckpoint"]
@@ -71,7 +71,7 @@ def _read_with(module, p: Path, trust_code: bool) -> Found:
 
 
 def _forced(p: Path, fmt: str, trust_code: bool) -> Found:
-    if fmt in (plain.SAFETENSORS, plain.STATE_DICT) and weights.claims_folder(p):
+    if fmt in (plain.SAFETENSORS, plain.STATE_DICT) and model_folder.claims_folder(p):
         return _weights_folder(p)
     if fmt == plain.SAFETENSORS:
         return plain.read_safetensors(p)
@@ -85,7 +85,7 @@ def _folder(p: Path, trust_code: bool) -> Found:
     for _name, module in _FOLDERS:
         if module.claims(p):
             return _read_with(module, p, trust_code)
-    if weights.claims_folder(p):  # save_pretrained's folder: weights (shards), config.json
+    if model_folder.claims_folder(p):  # save_pretrained's folder: weights (shards), config.json
         return _weights_folder(p)
     files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in _FILE_SUFFIXES)
     if len(files) == 1:
@@ -100,7 +100,7 @@ def _folder(p: Path, trust_code: bool) -> Found:
 
 def _weights_folder(p: Path) -> Found:
     safe = any(n.endswith(".safetensors") for n in weights.weight_files(p))
-    return weights.read_folder(p, plain.SAFETENSORS if safe else plain.STATE_DICT)
+    return model_folder.read_folder(p, plain.SAFETENSORS if safe else plain.STATE_DICT)
 
 
 def _file(p: Path) -> Found:

@@ -17,18 +17,10 @@ from pathlib import Path
 from ampctl.runlog.readers import RunFileError, load_json
 
 from ..stages import Problem
-from .base import (
-    FileNote,
-    Found,
-    NotACheckpoint,
-    float_tensors,
-    is_pickled_by_design,
-    load_torch,
-    safetensors_tensors,
-)
-from .lazy import LazyTensors, shapes_of
+from .base import FileNote, float_tensors, load_torch, safetensors_tensors
+from .lazy import LazyTensors
 
-__all__ = ["weight_files", "read_weight_files", "index_file", "claims_folder", "read_folder"]
+__all__ = ["weight_files", "read_weight_files", "index_file"]
 
 _SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors$")
 _BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin$")
@@ -106,35 +98,3 @@ def read_weight_files(
             weights.update(float_tensors(load_torch(p)))
             notes.append(FileNote(name, True, "weights (weights_only, mmap)"))
     return weights
-
-
-def claims_folder(folder: Path) -> bool:
-    """A folder of model weights alone (``save_pretrained``'s: weight files or shards, their
-    index, ``config.json``), as a model is downloaded from the Hub."""
-    return folder.is_dir() and bool(weight_files(folder))
-
-
-def read_folder(folder: Path, fmt: str) -> Found:
-    """A folder of model weights (:func:`claims_folder`): its weights one tensor at a time,
-    and with ``config.json`` its model (names, replay) as for a Trainer checkpoint."""
-    from . import hf
-
-    found = Found(format=fmt, path=folder)
-    found.weights = read_weight_files(folder, found.files, found.problems)
-    used = {n.file for n in found.files}
-    if (folder / "config.json").is_file():
-        found.model_dir = folder
-        found.files.append(FileNote("config.json", True, "model config (replay, names)"))
-        found.param_orders = hf.hf_param_orders(folder)
-        if found.param_orders:
-            rank = {n: i for i, (n, _) in enumerate(found.param_orders[-1][1])}
-            found.weights = found.weights.reordered(lambda k: rank.get(k, len(rank)))
-        used.add("config.json")
-    found.unordered_params = shapes_of(found.weights)
-    for f in sorted(folder.iterdir()):
-        if f.name not in used and f.is_file():
-            why = "pickled Python objects: never loaded" if is_pickled_by_design(f.name) else ""
-            found.files.append(FileNote(f.name, False, why or "not needed"))
-    if not found.weights:
-        raise NotACheckpoint(f"{str(folder)!r}: its weight files hold no tensors")
-    return found
