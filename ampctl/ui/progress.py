@@ -98,7 +98,7 @@ class ByteProgress:
                 self._show(now)
             elif self._bar is not None:
                 self._bar.update(self._task, completed=self.done, tensors=self.count)
-            elif self.shown and now - self.last >= self.plain_every:
+            elif self.shown and now - self.last >= self.plain_every and self.count < self.tensors:
                 self._line(now)
         except Exception:  # noqa: BLE001 - a display never breaks a read
             pass

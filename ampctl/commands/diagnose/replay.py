@@ -516,10 +516,10 @@ def _checked_model(
             else "in fp32, with gradients and activations"
         )
         raise ReplaySkipped(
-            f"the replay needs the whole model rebuilt ({how}), about "
-            f"{human_size(e.need)}, more than the {human_size(e.limit)} allowed: skipped (the "
-            "state health and the history do not need it); to replay, pass --max-memory SIZE "
-            f"where the machine has that memory{where}"
+            f"rebuilding the whole model ({how}) needs about "
+            f"{human_size(e.need)}, more than the {human_size(e.limit)} allowed; the state "
+            "health and the history do not need it. To replay, pass --max-memory SIZE where the "
+            f"machine has that memory{where}"
         ) from None
 
 

@@ -219,8 +219,8 @@ def test_replay_that_does_not_fit_is_skipped_with_one_line(tmp_path):
     assert rep["state"]["weights"]["tensors"] == len(shapes)
     reason = rep["replay"]["reason"]
     assert rep["replay"]["ran"] is False and "\n" not in reason
-    assert reason.startswith("the replay needs the whole model rebuilt (in fp32, with gradients")
-    assert "more than the 100.0 MiB allowed: skipped" in reason
+    assert reason.startswith("rebuilding the whole model (in fp32, with gradients and activat")
+    assert "more than the 100.0 MiB allowed; the state health and the history do not" in reason
     assert "pass --max-memory SIZE" in reason and "--device cuda" in reason
 
 
