@@ -136,11 +136,6 @@ def tensor_figures(t: torch.Tensor, limit: float) -> list[float]:
     ]
 
 
-def _tensor_figures(tensors: list[torch.Tensor], limits: list[float]) -> list[list[float]]:
-    """:func:`tensor_figures` of each tensor (the list form the tests use)."""
-    return [tensor_figures(t, lim) for t, lim in zip(tensors, limits, strict=True)]
-
-
 # ---------------------------------------------------------------------------- progress
 class ReadProgress:
     """What the state health reports while it reads (the command layer shows it; nothing is

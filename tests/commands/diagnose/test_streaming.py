@@ -258,3 +258,25 @@ def test_dcp_items_are_read_one_at_a_time(tmp_path, monkeypatch):
     assert [b.name for b in st.weights.bad] == ["layer4.weight"]
     assert [b.param for b in st.optimizer.bad] == ["layer2.weight"]
     assert st.weights.tensors == 7
+
+
+def test_bin_shards_through_their_index(tmp_path):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {"a.weight": torch.randn(32, 32)},
+        "pytorch_model-00002-of-00002.bin": {
+            "b.weight": torch.randn(32, 32),
+            "b.bias": torch.zeros(32),
+        },
+    }
+    shards["pytorch_model-00002-of-00002.bin"]["b.weight"][1, 1] = float("inf")
+    wmap = {}
+    for name, sd in shards.items():
+        torch.save(sd, folder / name)
+        wmap.update(dict.fromkeys(sd, name))
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": wmap}))
+    code, rep, err = diagnose_cli(folder)
+    assert code == 1, err
+    assert rep["format"] == "state-dict" and rep["state"]["weights"]["tensors"] == 3
+    assert problem(rep, "nonfinite_weights")["tensors"] == ["b.weight"]
