@@ -280,3 +280,14 @@ def test_bin_shards_through_their_index(tmp_path):
     assert code == 1, err
     assert rep["format"] == "state-dict" and rep["state"]["weights"]["tensors"] == 3
     assert problem(rep, "nonfinite_weights")["tensors"] == ["b.weight"]
+
+
+def test_tied_tensors_of_a_mapped_file_are_counted_once(tmp_path):
+    w = torch.randn(16, 8)
+    w[0, 0] = float("nan")
+    p = tmp_path / "tied.pt"
+    torch.save({"embed.weight": w, "lm_head.weight": w, "norm.weight": torch.ones(8)}, p)
+    found = readers.read(p)
+    st = state_health(found)
+    assert st.weights.tensors == 2 and st.weights.elements == 16 * 8 + 8
+    assert [b.name for b in st.weights.bad] == ["embed.weight"]
