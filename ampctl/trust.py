@@ -22,8 +22,10 @@ policy for every reader, here):
 * a saved config is walked once: a container met twice (shared references, YAML aliases), nested
   deeper than :data:`MAX_DEPTH` or holding more than :data:`MAX_NODES` values is refused;
 * what a checkpoint will take in memory is estimated from its headers before anything is
-  allocated and refused above the memory limit (:func:`memory_limit`: ``--max-memory``, or what
-  this process may still use: the free memory and its address-space limit).
+  allocated (read one tensor at a time: about its largest tensor, :func:`streaming_need`; a file
+  is never refused for its size alone) and refused above the memory limit
+  (:func:`memory_limit`: ``--max-memory``, or what this process may still use: the free memory
+  and its address-space limit).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ __all__ = [
     "max_memory",
     "check_memory",
     "torch_file_sizes",
+    "torch_file_layout",
+    "streaming_need",
+    "STREAM_OVERHEAD",
     "check_model_fits",
 ]
 
@@ -217,7 +222,11 @@ class FileRefused(UsageError):
 
 
 class ResourceRefused(UsageError):
-    """Something a checkpoint holds that would take more memory or work than allowed."""
+    """Something a checkpoint holds that would take more memory or work than allowed; from
+    :func:`check_memory`, ``need`` and ``limit`` are the bytes compared (else None)."""
+
+    need: int | None = None
+    limit: int | None = None
 
 
 def human_size(n: float) -> str:
@@ -390,17 +399,25 @@ def memory_limit() -> tuple[int, str]:
     return limit, source
 
 
-def check_memory(need: int, *, what: str, flag: str | None = "--max-memory") -> None:
+def check_memory(
+    need: int, *, what: str, flag: str | None = "--max-memory", mapped: int = 0
+) -> None:
     """Refuse ``what`` when it needs more than :func:`memory_limit` (estimated before anything
-    is allocated). Raises :class:`ResourceRefused` naming both sizes and how to raise it."""
+    is allocated). ``mapped``: bytes of files it maps (address space, not memory: they count
+    only against an address-space limit, ``RLIMIT_AS``). Raises :class:`ResourceRefused` naming
+    both sizes and how to raise it."""
     limit, source = memory_limit()
+    if mapped and _MAX_MEMORY.get() is None and source.startswith("what this process's address"):
+        need += mapped
     if need <= limit:
         return
     hint = f"; if the machine has the memory, pass {flag} SIZE (e.g. {flag} 64G)" if flag else ""
-    raise ResourceRefused(
+    e = ResourceRefused(
         f"{what} needs about {human_size(need)} of memory, more than the {human_size(limit)} "
         f"allowed ({source}): nothing was allocated{hint}"
     )
+    e.need, e.limit = need, limit
+    raise e
 
 
 _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
@@ -413,18 +430,27 @@ def torch_file_sizes(path: str | Path) -> tuple[int, int]:
     counts ten times its size (the Python objects it builds). Raises :class:`FileRefused` for
     a record that claims more bytes than the file holds (a tensor header larger than the file).
     """
+    storages, largest, pickled = torch_file_layout(path)
+    return storages + 10 * pickled, largest
+
+
+def torch_file_layout(path: str | Path) -> tuple[int, int, int]:
+    """``(storage bytes, largest storage, pickle bytes)`` of a ``torch.save`` file, read from
+    the zip archive's directory (nothing is unpickled); a legacy (non-zip) file is one storage
+    of its own size and no separate pickle. Raises :class:`FileRefused` as
+    :func:`torch_file_sizes` does."""
     import zipfile
 
     p = Path(path)
     size = checked_file(p).st_size
     try:
         if not zipfile.is_zipfile(p):
-            return size, size
+            return size, size, 0
         with zipfile.ZipFile(p) as z:
             infos = z.infolist()
     except (OSError, zipfile.BadZipFile, ValueError) as e:
         raise FileRefused(p, f"is not a readable zip archive: {e}") from None
-    total = largest = 0
+    total = largest = pickled = 0
     for info in infos:
         if info.header_offset + info.compress_size > size:
             raise FileRefused(
@@ -437,8 +463,21 @@ def torch_file_sizes(path: str | Path) -> tuple[int, int]:
             total += info.file_size
             largest = max(largest, info.file_size)
         elif info.filename.endswith(".pkl"):
-            total += 10 * info.file_size
-    return total, largest
+            pickled += info.file_size
+    return total, largest, pickled
+
+
+#: What a streaming read takes beyond its largest tensor: the chunks a tensor's figures are
+#: computed over, their temporaries, the reader's own state.
+STREAM_OVERHEAD = 64 << 20
+
+
+def streaming_need(largest: int, *, extra: int = 0, factor: float = 1.0) -> int:
+    """Memory a checkpoint read one tensor at a time takes: ``factor`` times its largest tensor
+    (the tensor's pages, mapped from the file while its figures are taken) plus
+    :data:`STREAM_OVERHEAD` and ``extra`` (the objects a pickle builds), never the size of the
+    file."""
+    return int(factor * largest) + STREAM_OVERHEAD + extra
 
 
 def check_model_fits(

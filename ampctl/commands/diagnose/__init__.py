@@ -73,10 +73,17 @@ def run_diagnose(
     caller prints it; with ``as_json`` the JSON document is :func:`json_error`'s)."""
     from rich.console import Console
 
-    report = diagnose_report(
-        path, batches=batches, precision=precision, device=device, fmt=fmt,
-        trust_code=trust_code, data=data, max_memory=max_memory,
-    )  # fmt: skip
+    from ampctl.ui.progress import ByteProgress
+
+    from .health import read_progress
+
+    # a read longer than a couple of seconds shows its progress on stderr (a bar on a
+    # terminal, a line now and then otherwise; never on stdout)
+    with read_progress(ByteProgress("reading checkpoint", live=None if not as_json else False)):
+        report = diagnose_report(
+            path, batches=batches, precision=precision, device=device, fmt=fmt,
+            trust_code=trust_code, data=data, max_memory=max_memory,
+        )  # fmt: skip
     if as_json:
         _print_json(report_json(report))
     else:

@@ -17,8 +17,10 @@ Thresholds:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Iterable
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from ampctl.amp.formats import FP16_MAX, dtype_max
 
 from .common import RECENT_WINDOW, finite
 from .readers.base import Found
+from .readers.lazy import TensorSource, tensor_sources, view_bytes
 from .stages import BadTensor, OptimizerNames, Problem, ScalerState, StateHealth, TensorSection
 
 __all__ = [
@@ -37,6 +40,9 @@ __all__ = [
     "applied_updates",
     "is_bare_scaler",
     "COMPUTE_DTYPES",
+    "tensor_figures",
+    "ReadProgress",
+    "read_progress",
 ]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,49 +50,139 @@ _SQUARED_KEYS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum")
 
 
 # ---------------------------------------------------------------------------- tensor figures
-def _tensor_figures(tensors: list[torch.Tensor], limits: list[float]) -> list[list[float]]:
-    """Per tensor [nan count, +inf count, -inf count, count above limit, max finite |x|, numel].
+#: Elements counted at once where a tensor is not all finite, or exceeds its limit: a chunk
+#: of a large tensor (the masks and magnitudes stay a few times this many bytes).
+CHUNK = 1 << 22
+_NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    Computed on the tensors' device; **one host read** for the whole list."""
-    if not tensors:
-        return []
-    rows = []
-    dev = tensors[0].device
-    for t, limit in zip(tensors, limits, strict=True):
-        t = t.detach()
-        if t.numel() == 0:
-            rows.append(torch.zeros(6, dtype=torch.float64, device=dev))
+
+def _collapsed(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(view, times)``: ``t`` with every dimension of stride 0 (an expanded view: one value
+    shown many times) narrowed to one element, and how many times each element is shown. A
+    view is never expanded: its figures are the narrowed view's, counts times ``times``."""
+    times = 1
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            times *= t.shape[d]
+            t = t.narrow(d, 0, 1)
+    return t, times
+
+
+def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views of ``t`` of at most :data:`CHUNK` elements covering it once (a chunk of a view
+    that is not contiguous is copied when flattened: at most a chunk). Reads nothing."""
+    stack = [t]
+    while stack:
+        v = stack.pop()
+        n = v.numel()
+        if n == 0:
             continue
-        fin = torch.isfinite(t)
-        mag = torch.where(fin, t, torch.zeros((), dtype=t.dtype, device=t.device)).abs().float()
-        rows.append(
-            torch.stack(
-                [
-                    torch.isnan(t).sum().double(),
-                    torch.isposinf(t).sum().double(),
-                    torch.isneginf(t).sum().double(),
-                    (mag > limit).sum().double(),
-                    mag.max().double(),
-                    torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device),
-                ]
-            ).to(dev)
-        )
-    return torch.stack(rows).tolist()  # the one host read
+        if v.is_contiguous() or n <= CHUNK:
+            flat = v.reshape(-1)  # a view when contiguous; a copy of at most a chunk otherwise
+            for off in range(0, n, CHUNK):
+                yield flat[off : off + CHUNK]
+            continue
+        row = n // v.shape[0]  # not contiguous and larger than a chunk: split its first dim
+        step = max(CHUNK // max(row, 1), 1)
+        stack.extend(v[i : i + step] for i in reversed(range(0, v.shape[0], step)))
 
 
-#: ``(name, tensor, param, key, limit)``: one tensor to check
-Entry = tuple[str, torch.Tensor, str | None, str | None, float]
+def tensor_figures(t: torch.Tensor, limit: float) -> list[float]:
+    """[nan count, +inf count, -inf count, count above limit, max finite |x|, numel] of one
+    tensor. One pass of ``aminmax`` over the whole tensor (no temporary; NaN and inf show in
+    its min or max) settles a tensor that is all finite, the usual case; any other is taken
+    :data:`CHUNK` elements at a time, each chunk settled the same way or, when it holds a
+    non-finite value, counted exactly (temporaries bounded by the chunk). A
+    stride-0 view is never expanded. **Reads device values on the host** (an offline check)."""
+    t = t.detach()
+    numel = t.numel()
+    if numel == 0:
+        return [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    base, times = _collapsed(t)
+    if base.dtype in _NATIVE:
+        lo, hi = (float(x) for x in torch.aminmax(base))
+        if math.isfinite(lo) and math.isfinite(hi):
+            top = max(abs(lo), abs(hi))
+            above = 0
+            if top > limit:
+                above = sum(int((c.abs().float() > limit).sum()) for c in _chunks(base))
+            return [0.0, 0.0, 0.0, float(above * times), top, float(numel)]
+    nan = pos = neg = above = 0
+    top = 0.0
+    for c in _chunks(base):
+        if c.dtype not in _NATIVE:
+            c = c.float()  # fp8 and friends: a chunk's upcast is bounded
+        lo, hi = (float(x) for x in torch.aminmax(c))
+        if math.isfinite(lo) and math.isfinite(hi):  # this chunk is clean: one pass
+            mx = max(abs(lo), abs(hi))
+            if mx > limit:
+                above += int((c.abs().float() > limit).sum())
+            top = max(top, mx)
+            continue
+        fin = torch.isfinite(c)
+        nan += int(torch.isnan(c).sum())
+        pos += int(torch.isposinf(c).sum())
+        neg += int(torch.isneginf(c).sum())
+        mag = torch.where(fin, c, torch.zeros((), dtype=c.dtype)).abs().float()
+        above += int((mag > limit).sum())
+        top = max(top, float(mag.max()))
+    return [
+        float(nan * times),
+        float(pos * times),
+        float(neg * times),
+        float(above * times),
+        top,
+        float(numel),
+    ]
 
 
-def _section(entries: list[Entry], *, limit: float | None, amax: bool = True) -> TensorSection:
-    """Health of the entries. **Syncs once.**"""
-    figs = _tensor_figures([t for _, t, *_ in entries], [lim for *_, lim in entries])
+# ---------------------------------------------------------------------------- progress
+class ReadProgress:
+    """What the state health reports while it reads (the command layer shows it; nothing is
+    displayed here). Every method does nothing by default."""
+
+    def start(self, total_bytes: int, tensors: int) -> None:
+        """Before the first tensor: the bytes and tensors to read."""
+
+    def advance(self, name: str, nbytes: int) -> None:
+        """After one tensor has been read and checked."""
+
+    def finish(self) -> None:
+        """After the last tensor (also when reading failed)."""
+
+
+_PROGRESS: contextvars.ContextVar[ReadProgress | None] = contextvars.ContextVar(
+    "ampctl_read_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def read_progress(progress: ReadProgress | None) -> Iterator[None]:
+    """Within the block, :func:`state_health` reports its reads to ``progress``."""
+    token = _PROGRESS.set(progress)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+#: ``(name, source, param, key, limit)``: one tensor to check, its source read when checked
+Entry = tuple[str, TensorSource, str | None, str | None, float]
+
+
+def _section(
+    entries: list[Entry], *, limit: float | None, amax: bool = True, progress: ReadProgress
+) -> TensorSection:
+    """Health of the entries, read one at a time (each tensor dropped once its figures are
+    taken: memory is about the largest one). **Reads device values on the host.**"""
     bad = []
     top = 0.0
     elements = 0
-    for (name, _t, param, key, lim), (nan, pos, neg, above, mx, numel) in zip(
-        entries, figs, strict=True
-    ):
+    for name, src, param, key, lim in entries:
+        t = src.load()
+        nan, pos, neg, above, mx, numel = tensor_figures(t, lim)
+        del t
+        progress.advance(name, src.nbytes)
         top = max(top, mx)
         elements += int(numel)
         if nan or pos or neg or above:
@@ -98,19 +194,23 @@ def _section(entries: list[Entry], *, limit: float | None, amax: bool = True) ->
     )
 
 
-def _dedup(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Floating tensors, tied ones once (under the first name)."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+def _dedup(tensors: Mapping[str, Any]) -> list[TensorSource]:
+    """Floating tensors, tied ones once (under the first name); nothing is read."""
+    seen: set[Any] = set()
     out = []
-    for k, v in named:
-        if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+    for s in tensor_sources(tensors):
+        if s.nbytes and s.identity in seen:
             continue
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        if v.numel() and key in seen:
-            continue
-        seen.add(key)
-        out.append((k, v))
+        seen.add(s.identity)
+        out.append(s)
     return out
+
+
+def _source(name: str, t: torch.Tensor | TensorSource) -> TensorSource:
+    """A tensor of the state as a source (one not read yet, e.g. DCP's, as it is)."""
+    if isinstance(t, TensorSource):
+        return t
+    return TensorSource(name, tuple(t.shape), t.dtype, view_bytes(t), id(t), lambda: t)
 
 
 # ---------------------------------------------------------------------------- names
@@ -119,7 +219,7 @@ def _state_shape(st: Any) -> tuple[int, ...] | None:
         return None
     for key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum"):
         t = st.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
+        if isinstance(t, torch.Tensor | TensorSource) and len(t.shape) > 0:
             return tuple(t.shape)
     return None
 
@@ -299,9 +399,7 @@ def _weight_limit(precision: str | None) -> float:
     return FP16_MAX if compute == torch.float16 else dtype_max(compute)
 
 
-def _optimizer_section(
-    found: Found,
-) -> tuple[TensorSection | None, dict[Any, str], OptimizerNames]:
+def _optimizer_entries(found: Found) -> tuple[list[Entry] | None, dict[Any, str], OptimizerNames]:
     opt_sd = found.optimizer
     names = OptimizerNames(method=None, note=found.optimizer_note)
     if not (isinstance(opt_sd, dict) and isinstance(opt_sd.get("state"), dict)):
@@ -313,17 +411,17 @@ def _optimizer_section(
         if not isinstance(st, dict):
             continue
         for key, t in st.items():
-            if key == "step" or not isinstance(t, torch.Tensor):
+            if key == "step" or not isinstance(t, torch.Tensor | TensorSource):
                 continue
-            if not t.is_floating_point() or t.dim() == 0:
+            if not t.dtype.is_floating_point or len(t.shape) == 0:
                 continue
             limit = FP16_MAX**2 if key in _SQUARED_KEYS else FP16_MAX
             p = pname.get(pid, f"param[{pid}]")
-            entries.append((f"{p}.{key}", t, p, key, limit))
-    return _section(entries, limit=None, amax=False), pname, names
+            entries.append((f"{p}.{key}", _source(f"{p}.{key}", t), p, key, limit))
+    return entries, pname, names
 
 
-def _master_section(found: Found, pname: dict[Any, str], wlimit: float) -> TensorSection | None:
+def _master_entries(found: Found, pname: dict[Any, str], wlimit: float) -> list[Entry] | None:
     if not found.masters:
         return None
     mnames = found.master_names
@@ -335,23 +433,37 @@ def _master_section(found: Found, pname: dict[Any, str], wlimit: float) -> Tenso
             if pid in pname
         ]
         mnames = ordered if len(ordered) == len(found.masters) else None
-    entries: list[Entry] = [
-        (mnames[i] if mnames else f"master[{i}]", t, mnames[i] if mnames else None, None, wlimit)
-        for i, t in enumerate(found.masters)
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    return _section(entries, limit=wlimit)
+    entries: list[Entry] = []
+    for i, t in enumerate(found.masters):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            name = mnames[i] if mnames else f"master[{i}]"
+            entries.append((name, _source(name, t), mnames[i] if mnames else None, None, wlimit))
+    return entries
 
 
 def state_health(found: Found) -> StateHealth:
-    """Part 1 of the report for what a reader found (its problems in ``.problems``). **Syncs**
-    (one host read per section)."""
+    """Part 1 of the report for what a reader found (its problems in ``.problems``). Weights,
+    master weights and optimizer state are read one tensor at a time (memory: about the largest
+    tensor, whatever the checkpoint's size), reported to the :class:`ReadProgress` of
+    :func:`read_progress` when one is set. **Reads device values on the host** (a few per
+    tensor: an offline check)."""
     wlimit = _weight_limit(found.precision)
-    weights = _section(
-        [(n, t, n, None, wlimit) for n, t in _dedup(found.weights.items())], limit=wlimit
-    )
-    optimizer, pname, names = _optimizer_section(found)
-    master = _master_section(found, pname, wlimit)
+    w_entries: list[Entry] = [(s.name, s, s.name, None, wlimit) for s in _dedup(found.weights)]
+    o_entries, pname, names = _optimizer_entries(found)
+    m_entries = _master_entries(found, pname, wlimit)
+    every = w_entries + (o_entries or []) + (m_entries or [])
+    progress = _PROGRESS.get() or ReadProgress()
+    progress.start(sum(e[1].nbytes for e in every), len(every))
+    try:
+        weights = _section(w_entries, limit=wlimit, progress=progress)
+        optimizer = (
+            None
+            if o_entries is None
+            else _section(o_entries, limit=None, amax=False, progress=progress)
+        )
+        master = None if m_entries is None else _section(m_entries, limit=wlimit, progress=progress)
+    finally:
+        progress.finish()
     scaler = scaler_state(found.scaler, found.scaler_kind)
     problems = _tensor_problems(weights, master, optimizer, wlimit, found.precision)
     problems += _scaler_problems(scaler)

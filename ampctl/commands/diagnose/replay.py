@@ -487,16 +487,40 @@ def activation_bytes(model_cfg: Any, batch: int, seq: int) -> int:
     return layers * (tokens * hidden * 80 + heads * tokens * seq * 12)
 
 
-def _checked_model(build: Any, state: dict[str, Any], what: str, **kw: Any) -> None:
+def _checked_model(
+    build: Any, state: Any, what: str, *, device: torch.device | None = None, **kw: Any
+) -> None:
     """:func:`ampctl.trust.check_model_fits` before the real build: a model whose dimensions
     do not match the checkpoint's tensors, or that needs more memory than allowed, is not
-    built (the replay is skipped with the reason)."""
-    from ampctl.trust import ResourceRefused, check_model_fits
+    built (the replay is skipped with the reason: one line saying what would make it run; the
+    state health and the history are reported as ever). ``state``: the checkpoint's tensors,
+    looked at by shape only (nothing is read). On a CUDA ``device`` the host holds the model
+    twice at most (built, and the checkpoint's tensors while they are copied in); gradients and
+    activations are the device's."""
+    from ampctl.trust import ResourceRefused, check_model_fits, human_size
 
+    from .readers.lazy import meta_of
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        kw = {**kw, "factor": 2.0, "extra": 0}
     try:
-        check_model_fits(build, state, source=what, **kw)
+        check_model_fits(build, meta_of(state), source=what, **kw)
     except ResourceRefused as e:
-        raise ReplaySkipped(str(e)) from None
+        if e.need is None or e.limit is None:
+            raise ReplaySkipped(str(e)) from None
+        where = "" if cuda else ", or --device cuda on a machine with a GPU"
+        how = (
+            "on the host, before it moves to the GPU"
+            if cuda
+            else "in fp32, with gradients and activations"
+        )
+        raise ReplaySkipped(
+            f"rebuilding the whole model ({how}) needs about "
+            f"{human_size(e.need)}, more than the {human_size(e.limit)} allowed; the state "
+            "health and the history do not need it. To replay, pass --max-memory SIZE where the "
+            f"machine has that memory{where}"
+        ) from None
 
 
 def ampctl_input(
@@ -521,7 +545,11 @@ def ampctl_input(
     d = cfg.data
     extra = activation_bytes(cfg.model, d.batch_size, d.seq_len)
     _checked_model(
-        lambda: build_model(cfg.model), ck["model"], f"the checkpoint {found.path}", extra=extra
+        lambda: build_model(cfg.model),
+        ck["model"],
+        f"the checkpoint {found.path}",
+        extra=extra,
+        device=device,
     )
     try:
         with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the RNG alone
@@ -654,10 +682,11 @@ def hf_input(
     # of every tensor config.json asks for is checked here
     _checked_model(
         lambda: cls.from_config(config, trust_remote_code=False),
-        found.weights,
+        found.weights,  # by shape: nothing is read
         f"the checkpoint {found.path} (config.json)",
         extra=activation_bytes(config, _BATCH, _SEQ),
         may_lack=lambda _k: True,
+        device=device,
     )
     try:
         with torch.random.fork_rng(devices=[]):

@@ -9,7 +9,7 @@ accelerate ``save_state`` folder (model.safetensors, optimizer.bin, scaler.pt)
 lightning  ``*.ckpt`` (+ ``metrics.csv`` / TensorBoard events of its ``version_N``)
 dcp        torch.distributed.checkpoint folder (``.metadata`` + ``*.distcp``)
 deepspeed  ``save_checkpoint`` folder (``latest``, ``global_stepN/``)
-safetensors a ``.safetensors`` file
+safetensors a ``.safetensors`` file, or a folder of them (shards + ``*.index.json``)
 state-dict ``.pt``/``.pth``/``.bin``: a state dict, or a dict of model/optimizer/scaler states
 ========== ============================================================================
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import accelerate, ampctl, dcp, deepspeed, hf, lightning, plain
+from . import accelerate, ampctl, dcp, deepspeed, hf, lightning, model_folder, plain, weights
 from .base import Found, NotACheckpoint, ReaderError, load_torch
 
 __all__ = ["FORMATS", "read", "Found", "ReaderError", "NotACheckpoint"]
@@ -71,6 +71,8 @@ def _read_with(module, p: Path, trust_code: bool) -> Found:
 
 
 def _forced(p: Path, fmt: str, trust_code: bool) -> Found:
+    if fmt in (plain.SAFETENSORS, plain.STATE_DICT) and model_folder.claims_folder(p):
+        return _weights_folder(p)
     if fmt == plain.SAFETENSORS:
         return plain.read_safetensors(p)
     if fmt == plain.STATE_DICT:
@@ -83,6 +85,8 @@ def _folder(p: Path, trust_code: bool) -> Found:
     for _name, module in _FOLDERS:
         if module.claims(p):
             return _read_with(module, p, trust_code)
+    if model_folder.claims_folder(p):  # save_pretrained's folder: weights (shards), config.json
+        return _weights_folder(p)
     files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in _FILE_SUFFIXES)
     if len(files) == 1:
         return _file(files[0])
@@ -92,6 +96,11 @@ def _folder(p: Path, trust_code: bool) -> Found:
         "folders, HF Trainer checkpoint-N/output_dir, Accelerate save_state, Lightning .ckpt, "
         "DCP and DeepSpeed folders, .safetensors and .pt/.pth/.bin files"
     )
+
+
+def _weights_folder(p: Path) -> Found:
+    safe = any(n.endswith(".safetensors") for n in weights.weight_files(p))
+    return model_folder.read_folder(p, plain.SAFETENSORS if safe else plain.STATE_DICT)
 
 
 def _file(p: Path) -> Found:

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from .base import FileNote, Found, NotACheckpoint, is_pickled_by_design, load_noting
+from .lazy import shapes_of
 from .plain import is_optimizer_state, is_scaler_state
 from .weights import read_weight_files, weight_files
 
@@ -58,8 +59,8 @@ def read(path: Path) -> Found:
         path, siblings = ckpts[0], ckpts[1:]
     found = Found(format=FORMAT_NAME, path=path, siblings=siblings)
     m = _AUTO.match(path.name)
-    found.weights = read_weight_files(path, found.files)
-    found.unordered_params = [(k, tuple(v.shape)) for k, v in found.weights.items()]
+    found.weights = read_weight_files(path, found.files, found.problems)
+    found.unordered_params = shapes_of(found.weights)
     used = {n.file for n in found.files}
     for f in sorted(path.iterdir()):
         if f.name in used or not f.is_file():

@@ -4,12 +4,14 @@ A checkpoint from elsewhere is data. Files are opened under the resource rules o
 :mod:`ampctl.trust` (regular files only, no symlink out of its folder, sizes read from headers
 and checked against the memory limit before anything is allocated) with
 
-* :func:`load_torch`: ``torch.load(..., weights_only=True)`` of a file that is a ``torch.save``
-  zip archive or legacy file (told by its first bytes: a raw pickle, text or other bytes are
+* :func:`load_torch`: ``torch.load(..., weights_only=True, mmap=True)`` of a file that is a
+  ``torch.save`` zip archive (its tensors stay in the file until touched, so memory is what a
+  caller touches at once), or a legacy file (told by its first bytes: a raw pickle, text or other bytes are
   named as such); a file holding pickled objects beyond tensors and plain containers is refused
   (:class:`PickleRefused`, naming the first class it asked for, found by scanning the pickle's
   opcodes, never by running them);
-* :func:`load_safetensors`: the ``safetensors`` library (no pickle at all);
+* :func:`safetensors_tensors`: the ``safetensors`` library (no pickle at all), one tensor per
+  ``safe_open`` (:class:`~.lazy.LazyTensors`: read when asked for, never all at once);
 * :func:`load_restricted`: ``torch.load(weights_only=True)`` with a short allowlist of inert
   stand-ins for the named data classes of one library (DeepSpeed's loss scaler and ZeRO stage
   enum): the stand-in stores the pickled state and runs no code of that library;
@@ -21,8 +23,10 @@ Files that are pickled Python objects by design (``training_args.bin``, RNG stat
 
 from __future__ import annotations
 
+import functools
 import pickletools
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +40,12 @@ from ampctl.trust import (
     check_memory,
     checked_file,
     human_size,
-    torch_file_sizes,
+    streaming_need,
+    torch_file_layout,
 )
 
 from ..stages import Problem
+from .lazy import LazyTensors, TensorSource
 
 __all__ = [
     "Found",
@@ -51,6 +57,7 @@ __all__ = [
     "load_torch",
     "load_noting",
     "load_safetensors",
+    "safetensors_tensors",
     "load_restricted",
     "pickle_globals",
     "PICKLED_BY_DESIGN",
@@ -134,7 +141,9 @@ class Found:
     format: str
     path: Path
     step: int | None = None
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: name -> tensor: a dict (of memory-mapped tensors from ``torch.load(mmap=True)``) or
+    #: :class:`~.lazy.LazyTensors` (each read from its file when asked for)
+    weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
     masters: list[torch.Tensor] | None = None
     master_names: list[str] | None = None  # when the format names them
     optimizer: dict[str, Any] | None = None
@@ -272,8 +281,10 @@ def _not_torch(p: Path, head: bytes) -> ReaderError | None:
 
 
 def load_torch(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, after the file's kind is told from
-    its first bytes and what it will allocate is checked against the memory limit. Raises
+    """``torch.load(path, weights_only=True)`` on the CPU, memory-mapped for a zip archive
+    (``mmap=True``: a tensor's bytes are read when it is touched), after the file's kind is told
+    from its first bytes and what it will take is checked against the memory limit (the
+    pickle's objects and the largest tensor, not the file). Raises
     :class:`PickleRefused` for a file with pickled objects (or a raw pickle),
     :class:`NotACheckpoint` for text or foreign bytes, :class:`ReaderError` for an empty,
     truncated or corrupt one, and :class:`~ampctl.trust.FileRefused` /
@@ -288,11 +299,18 @@ def load_torch(path: str | Path) -> Any:
     refused = _not_torch(p, head)
     if refused is not None:
         raise refused
-    total, largest = torch_file_sizes(p)
-    # loading holds every storage; checking one takes about three times the largest again
-    check_memory(total + 3 * largest, what=f"{str(p)!r} ({human_size(total)} of tensors)")
+    storages, largest, pickled = torch_file_layout(p)
+    mmap = head.startswith(_ZIP)
+    # a zip archive is memory-mapped: only the pickle's objects and what a reader touches at
+    # once (about its largest tensor) are held; a legacy file is read whole
+    need = streaming_need(largest, extra=10 * pickled) if mmap else storages + 3 * largest
+    check_memory(
+        need,
+        what=f"{str(p)!r} ({human_size(storages)} of tensors)",
+        mapped=p.stat().st_size if mmap else 0,
+    )
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear line
         text = str(e)
         if "Unsupported global" in text or "GLOBAL" in text or "Unsupported class" in text:
@@ -329,63 +347,126 @@ _ST_DTYPE_BYTES = {
 _ST_MAX_HEADER = 100 << 20  # the safetensors format's own limit
 
 
-def safetensors_sizes(path: str | Path) -> tuple[int, int]:
-    """``(bytes, largest)`` of the tensors a ``.safetensors`` file declares, from its header
-    (read alone, bounded). Raises :class:`~ampctl.trust.FileRefused` for a header that is not
-    the format's, or that declares a tensor larger than the file holds."""
+_ST_TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}  # fmt: skip
+
+
+def _safetensors_header(path: Path) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], int]:
+    """``([(name, dtype, shape, begin, need)], data bytes)`` of a ``.safetensors`` file's header
+    (read alone, bounded), each entry checked against the file's size."""
     import json
     import math
 
-    p = Path(path)
-    size = checked_file(p).st_size
-    with open(p, "rb") as f:
+    size = checked_file(path).st_size
+    with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 2 or n > _ST_MAX_HEADER or 8 + n > size:
-            raise FileRefused(p, "has no safetensors header (its length field does not fit)")
+            raise FileRefused(path, "has no safetensors header (its length field does not fit)")
         try:
             header = json.loads(f.read(n))
         except (ValueError, RecursionError):
-            raise FileRefused(p, "its safetensors header is not valid JSON") from None
+            raise FileRefused(path, "its safetensors header is not valid JSON") from None
     data = size - 8 - n
-    total = largest = 0
+    entries = []
     for name, t in header.items() if isinstance(header, dict) else ():
         if name == "__metadata__":
             continue
         try:
             begin, end = (int(x) for x in t["data_offsets"])
-            need = math.prod(int(d) for d in t["shape"]) * _ST_DTYPE_BYTES.get(t["dtype"], 1)
+            shape = tuple(int(d) for d in t["shape"])
+            need = math.prod(shape) * _ST_DTYPE_BYTES.get(t["dtype"], 1)
+            dtype = str(t["dtype"])
         except (KeyError, TypeError, ValueError):
-            raise FileRefused(p, f"its safetensors header entry {name!r} is malformed") from None
-        if end > data or begin < 0 or end - begin < need:
+            raise FileRefused(path, f"its safetensors header entry {name!r} is malformed") from None
+        if end > data or begin < 0 or end - begin < need or min(shape, default=0) < 0:
             raise FileRefused(
-                p,
+                path,
                 f"tensor {name!r} declares {human_size(max(need, end - begin))} of data, but the "
                 f"file holds {human_size(data)} after its header (a tensor header larger than "
                 "the file): not read",
             )
-        total += need
-        largest = max(largest, need)
-    return total, largest
+        entries.append((str(name), dtype, shape, begin, need))
+    return entries, data
 
 
-def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """A ``.safetensors`` file through the ``safetensors`` library (never ``torch.load``),
-    after its header is checked against the file's size and the memory limit."""
-    total, largest = safetensors_sizes(path)
-    check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
+def safetensors_sizes(path: str | Path) -> tuple[int, int]:
+    """``(bytes, largest)`` of the tensors a ``.safetensors`` file declares, from its header
+    (read alone, bounded). Raises :class:`~ampctl.trust.FileRefused` for a header that is not
+    the format's, or that declares a tensor larger than the file holds."""
+    entries, _data = _safetensors_header(Path(path))
+    needs = [e[4] for e in entries]
+    return sum(needs), max(needs, default=0)
+
+
+def _safe_open(path: Path) -> Any:
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
     except ImportError:
         raise ReaderError(
             f"{str(path)!r}: reading .safetensors {install_hint('safetensors')}"
         ) from None
     try:
-        return dict(load_file(str(path), device="cpu"))
+        return safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 - a damaged file: one line
         raise ReaderError(
             f"{str(path)!r} is not a readable safetensors file: {first_line(e)}"
         ) from None
+
+
+def _safetensors_one(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a ``.safetensors`` file, through its own ``safe_open`` (closed, and the
+    file unmapped, before the tensor is returned: only that tensor stays in memory)."""
+    with _safe_open(path) as f:
+        try:
+            return f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a damaged file: one line
+            raise ReaderError(
+                f"{str(path)!r}: tensor {name!r} could not be read: {first_line(e)}"
+            ) from None
+
+
+def safetensors_tensors(path: str | Path) -> LazyTensors:
+    """The tensors of a ``.safetensors`` file through the ``safetensors`` library (never
+    ``torch.load``), each read by its own ``safe_open`` when asked for
+    (:class:`~.lazy.LazyTensors`), after the header is checked against the file's size, by
+    the library (names, offsets, overlaps) and against the memory limit: what reading one
+    tensor at a time takes (:func:`~ampctl.trust.streaming_need`), never the file's size."""
+    p = Path(path)
+    entries, _data = _safetensors_header(p)
+    largest = max((e[4] for e in entries), default=0)
+    total = sum(e[4] for e in entries)
+    check_memory(
+        streaming_need(largest),
+        what=f"{str(p)!r} ({human_size(total)} of tensors)",
+        mapped=p.stat().st_size,  # safe_open maps the whole file
+    )
+    with _safe_open(p) as f:  # the library's own checks of the header, once
+        names = set(f.keys())
+    sources = []
+    for name, dtype, shape, begin, need in sorted(entries, key=lambda e: e[3]):
+        if name not in names or dtype not in _ST_TORCH_DTYPES:
+            continue
+        sources.append(
+            TensorSource(
+                name=name,
+                shape=shape,
+                dtype=_ST_TORCH_DTYPES[dtype],
+                nbytes=need,
+                identity=(str(p), begin, shape),
+                load=functools.partial(_safetensors_one, p, name),
+            )
+        )
+    return LazyTensors(sorted(sources, key=lambda s: s.name))
+
+
+def load_safetensors(path: str | Path) -> LazyTensors:
+    """:func:`safetensors_tensors` (the name of the days when the file was read whole)."""
+    return safetensors_tensors(path)
 
 
 class InertObject:

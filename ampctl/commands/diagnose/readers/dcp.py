@@ -14,7 +14,9 @@ with ``torch.load(weights_only=False)``: code in the folder would run. Here:
 * the metadata is checked before anything is read or allocated: every record names a file of
   this folder and lies inside it, and the tensors' bytes fit the memory limit;
 * tensors are read by DCP (each chunk with ``torch.load(weights_only=True)``) into tensors
-  allocated here from the metadata; non-tensor values (``BYTE_IO``: torchtitan's train state,
+  allocated here from the metadata, one at a time when the state health asks for it (DCP's
+  per-item reads: memory is about the largest tensor; small ones, steps and norms, are read
+  together up front); non-tensor values (``BYTE_IO``: torchtitan's train state,
   optimizer hyperparameters) are pickled Python objects and are listed as not read unless
   ``--trust-code``, when DCP's own loader reads them.
 
@@ -25,6 +27,8 @@ optimizer state written by ``get_state_dict`` is keyed by parameter name, so it 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import io
 import math
 import pathlib
@@ -36,9 +40,17 @@ from typing import Any
 import torch
 
 from ampctl.errors import first_line
-from ampctl.trust import FileRefused, check_memory, checked_file, human_size, read_bounded
+from ampctl.trust import (
+    FileRefused,
+    check_memory,
+    checked_file,
+    human_size,
+    read_bounded,
+    streaming_need,
+)
 
 from .base import FileNote, Found, NotACheckpoint, PickleRefused, ReaderError, float_tensors
+from .lazy import LazyTensors, TensorSource, shapes_of, tensor_sources
 from .plain import MODEL_KEYS, OPTIMIZER_KEYS, STEP_KEYS, is_optimizer_state
 
 __all__ = ["FORMAT_NAME", "claims", "read", "AllowListUnpickler", "metadata_globals"]
@@ -172,8 +184,12 @@ def _tensor_entries(md: Any) -> tuple[dict[str, Any], list[str]]:
     return tensors, other
 
 
-def _allocate(path: Path, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Empty tensors for every entry, after their bytes are checked against the memory limit."""
+#: Tensors up to this many bytes are read together up front (steps, norms, scalars); larger
+#: ones are read one at a time when the state health asks for them.
+EAGER_BYTES = 1 << 16
+
+
+def _sizes(path: Path, tensors: dict[str, Any]) -> dict[str, int]:
     sizes = {}
     for fqn, entry in tensors.items():
         dtype = entry.properties.dtype
@@ -182,9 +198,100 @@ def _allocate(path: Path, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
         ):
             raise ReaderError(f"{str(path / METADATA)!r}: the entry of {fqn!r} is malformed")
         sizes[fqn] = math.prod(entry.size) * dtype.itemsize
+    return sizes
+
+
+def _allocate(path: Path, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Empty tensors for every entry, after their bytes are checked against the memory limit
+    (all of them: DCP's own loader, ``--trust-code``, reads them together)."""
+    sizes = _sizes(path, tensors)
     total, largest = sum(sizes.values()), max(sizes.values(), default=0)
     check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
     return {fqn: torch.empty(tuple(e.size), dtype=e.properties.dtype) for fqn, e in tensors.items()}
+
+
+def _read_items(md: Any, path: Path, flat: dict[str, torch.Tensor]) -> None:
+    """DCP's per-item read of the tensors of ``flat`` (allocated here) from the folder."""
+    import warnings
+
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    reader = _reader_class(md)(str(path))
+    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is.*")
+        try:
+            dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)
+        except (PickleRefused, ReaderError, FileRefused):
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: one line
+            raise ReaderError(
+                f"{str(path)!r} is not a readable DCP checkpoint: {_failure(e)}"
+            ) from None
+
+
+def _one_item(md: Any, path: Path, fqn: str, entry: Any) -> torch.Tensor:
+    flat = {fqn: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
+    _read_items(md, path, flat)
+    return flat[fqn]
+
+
+def _streamed(md: Any, path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``{fqn: tensor or TensorSource}``: the small tensors read now in one pass, each larger
+    one a source that DCP reads alone when asked for. Checked first against the memory limit:
+    what reading one tensor at a time takes (:func:`~ampctl.trust.streaming_need`)."""
+    sizes = _sizes(path, tensors)
+    total, largest = sum(sizes.values()), max(sizes.values(), default=0)
+    small = {f: e for f, e in tensors.items() if sizes[f] <= EAGER_BYTES}
+    check_memory(
+        streaming_need(largest, extra=sum(sizes[f] for f in small)),
+        what=f"{str(path)!r} ({human_size(total)} of tensors)",
+    )
+    flat: dict[str, Any] = {
+        f: torch.empty(tuple(e.size), dtype=e.properties.dtype) for f, e in small.items()
+    }
+    if flat:
+        _read_items(md, path, flat)
+    for fqn, entry in tensors.items():
+        if fqn not in small:
+            flat[fqn] = TensorSource(
+                name=fqn,
+                shape=tuple(entry.size),
+                dtype=entry.properties.dtype,
+                nbytes=sizes[fqn],
+                identity=(str(path), fqn),
+                load=functools.partial(_one_item, md, path, fqn, entry),
+            )
+    return flat
+
+
+def _leaves(obj: Any) -> dict[str, Any]:
+    """Floating tensors and tensor sources of a nested state, keyed by dotted path (as
+    :func:`~.base.float_tensors`), the sources renamed to their paths."""
+    out: dict[str, Any] = {}
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        key, node = stack.pop()
+        if isinstance(node, TensorSource):
+            if node.is_floating_point:
+                out[key] = dataclasses.replace(node, name=key)
+        elif isinstance(node, torch.Tensor):
+            out.update(float_tensors(node, key))
+        elif isinstance(node, dict):
+            items = [(f"{key}.{k}" if key else str(k), v) for k, v in node.items()]
+            stack.extend(reversed(items))
+    return out
+
+
+def _weights(model: dict[str, Any]) -> LazyTensors:
+    leaves = _leaves(model)
+    return LazyTensors(
+        v if isinstance(v, TensorSource) else tensor_sources({k: v}, floating_only=False)[0]
+        for k, v in leaves.items()
+    )
 
 
 def _nest(md: Any, flat: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +342,8 @@ def _load(path: Path, trust_code: bool) -> tuple[dict[str, Any], list[str]]:
 
     md = read_metadata(path)
     tensors, other = _tensor_entries(md)
+    if not trust_code:  # tensors one at a time (DCP per-item reads)
+        return _nest(md, _streamed(md, path, tensors)), other
     flat = _allocate(path, tensors)
     reader = _reader_class(md)(str(path))
     with warnings.catch_warnings():
@@ -275,10 +384,8 @@ def read(path: Path, *, trust_code: bool = False) -> Found:
     if model is None and opt is None:
         model = sd
     if model is not None:
-        found.weights = float_tensors(model)
-        found.param_orders = [
-            ("model order", [(k, tuple(v.shape)) for k, v in found.weights.items()])
-        ]
+        found.weights = _weights(model)
+        found.param_orders = [("model order", shapes_of(found.weights))]
     if opt is not None:
         found.optimizer = opt if is_optimizer_state(opt) else _flat_optimizer(opt)
     for k in (*STEP_KEYS, "train_state"):
@@ -327,7 +434,7 @@ def _siblings(path: Path) -> list[Path]:
 def _flat_optimizer(opt: dict[str, Any]) -> dict[str, Any] | None:
     """An optimizer state flattened as ``state.<param>.<key>`` back into ``{"state": ...}``."""
     state: dict[str, dict[str, Any]] = {}
-    for k, v in float_tensors(opt).items():
+    for k, v in _leaves(opt).items():
         if k.startswith("state."):
             param, _, key = k[6:].rpartition(".")
             state.setdefault(param, {})[key] = v

@@ -30,6 +30,7 @@ from .base import (
     is_pickled_by_design,
     load_noting,
 )
+from .lazy import lazy_from, shapes_of
 from .plain import is_optimizer_state, is_scaler_state
 from .weights import read_weight_files, weight_files
 
@@ -99,7 +100,7 @@ def _read_files(found: Found, path: Path) -> None:
     found.step = (
         step if isinstance(step, int) else (_step_of(path) if _step_of(path) >= 0 else None)
     )
-    found.weights = read_weight_files(path, found.files)
+    found.weights = read_weight_files(path, found.files, found.problems)
     used = {n.file for n in found.files}
     for f in sorted(path.iterdir()):
         if f.name in used or not f.is_file():
@@ -141,10 +142,8 @@ def _read_files(found: Found, path: Path) -> None:
             )
         else:  # report weights in the model's order (safetensors keeps names sorted)
             rank = {n: i for i, (n, _) in enumerate(found.param_orders[-1][1])}
-            found.weights = dict(
-                sorted(found.weights.items(), key=lambda kv: rank.get(kv[0], len(rank)))
-            )
-    found.unordered_params = [(k, tuple(v.shape)) for k, v in found.weights.items()]
+            found.weights = lazy_from(found.weights).reordered(lambda k: rank.get(k, len(rank)))
+    found.unordered_params = shapes_of(found.weights)
 
 
 def nan_filtered(row: dict[str, Any], previous_loss: float | None) -> bool:

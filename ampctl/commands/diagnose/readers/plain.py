@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import Found, NotACheckpoint, float_tensors, load_safetensors
+from .base import Found, NotACheckpoint, float_tensors, safetensors_tensors
 
 __all__ = ["STATE_DICT", "SAFETENSORS", "read_safetensors", "from_object", "is_optimizer_state"]
 
@@ -78,7 +78,7 @@ def key_of(obj: dict[str, Any], value: Any) -> str:
 
 
 def read_safetensors(path: Path) -> Found:
-    weights = load_safetensors(path)
+    weights = safetensors_tensors(path)
     found = Found(format=SAFETENSORS, path=path, weights=weights)
     found.files.append(_note(path, "weights (safetensors)"))
     return found

@@ -1,20 +1,30 @@
 """The weights of a Hugging Face / Accelerate folder, chosen by what is on disk (as transformers
 does): ``model.safetensors`` (and its shards) through the ``safetensors`` library first, else
-``pytorch_model.bin`` (and shards) with ``weights_only=True``."""
+``pytorch_model.bin`` (and shards) with ``weights_only=True`` and ``mmap=True``.
+
+A sharded folder is read through its index (``model.safetensors.index.json`` /
+``pytorch_model.bin.index.json``, whose ``weight_map`` names the shard of every tensor): only
+files of the folder itself that are named as shards are opened; a shard the index names that is
+missing is reported, and the others are still read. Every tensor is read when the state health
+asks for it, one at a time (:class:`~.lazy.LazyTensors`), never the whole folder at once.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import torch
+from ampctl.runlog.readers import RunFileError, load_json
 
-from .base import FileNote, float_tensors, load_safetensors, load_torch
+from ..stages import Problem
+from .base import FileNote, float_tensors, load_torch, safetensors_tensors
+from .lazy import LazyTensors
 
-__all__ = ["weight_files", "read_weight_files"]
+__all__ = ["weight_files", "read_weight_files", "index_file"]
 
 _SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors$")
 _BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin$")
+_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def weight_files(folder: Path) -> list[str]:
@@ -24,14 +34,67 @@ def weight_files(folder: Path) -> list[str]:
     return safe or [n for n in names if _BIN.match(n)]
 
 
-def read_weight_files(folder: Path, notes: list[FileNote]) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    for name in weight_files(folder):
+def index_file(folder: Path, files: list[str]) -> str | None:
+    """The index of the kind of ``files`` (safetensors or .bin shards) when the folder has it."""
+    want = _INDEX[0] if any(n.endswith(".safetensors") for n in files) else _INDEX[1]
+    return want if (folder / want).is_file() else None
+
+
+def _indexed(
+    folder: Path, name: str, on_disk: list[str], notes: list[FileNote], problems: list[Problem]
+) -> list[str]:
+    """The shards an index names, in its order, that are files of this folder named as shards;
+    what it names otherwise is reported (an index is data: it names no path outside)."""
+    try:
+        index = load_json(folder / name)
+    except RunFileError as e:
+        notes.append(FileNote(name, False, f"unreadable: {e.reason}"))
+        return on_disk
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict):
+        notes.append(FileNote(name, False, "holds no weight_map: the shards on disk are read"))
+        return on_disk
+    named = list(dict.fromkeys(str(v) for v in wmap.values()))
+    pattern = _SAFE if name.endswith(".safetensors.index.json") else _BIN
+    out = []
+    for shard in named:
+        if not pattern.match(shard):
+            notes.append(FileNote(shard, False, f"named by {name}, not a shard name: not opened"))
+        elif shard not in on_disk:
+            problems.append(
+                Problem(
+                    "unreadable_file",
+                    f"{str(folder / shard)!r} is named by {name} (its weight_map) but is not in "
+                    f"the folder: the {sum(1 for v in wmap.values() if v == shard)} tensors it "
+                    "holds were not checked",
+                    file=shard,
+                )
+            )
+            notes.append(FileNote(shard, False, "missing (named by the index)"))
+        else:
+            out.append(shard)
+    notes.append(FileNote(name, True, f"shard index ({len(wmap)} tensors in {len(named)} files)"))
+    return out
+
+
+def read_weight_files(
+    folder: Path, notes: list[FileNote], problems: list[Problem] | None = None
+) -> LazyTensors:
+    """The weights of ``folder``'s weight files (through their index when there is one), as
+    :class:`~.lazy.LazyTensors`: nothing is read before the state health asks for a tensor.
+    ``problems``: where a shard the index names but the folder lacks is reported."""
+    problems = problems if problems is not None else []
+    files = weight_files(folder)
+    index = index_file(folder, files)
+    if index is not None:
+        files = _indexed(folder, index, files, notes, problems)
+    weights = LazyTensors()
+    for name in files:
         p = folder / name
         if name.endswith(".safetensors"):
-            weights.update(load_safetensors(p))
+            weights.update(safetensors_tensors(p))
             notes.append(FileNote(name, True, "weights (safetensors)"))
         else:
             weights.update(float_tensors(load_torch(p)))
-            notes.append(FileNote(name, True, "weights (weights_only)"))
+            notes.append(FileNote(name, True, "weights (weights_only, mmap)"))
     return weights
