@@ -24,11 +24,22 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
     """The checkpoint's config with plain ``key=value`` overrides applied on top (the saved
     config is data: see :func:`ampctl.config.config_from_saved`); its model's dimensions are
     checked against the checkpoint's tensors before anything is built
-    (:func:`ampctl.trust.check_model_fits`)."""
+    (:func:`ampctl.trust.check_model_fits`), and a place it names outside the run folder and the
+    working directory is used only when ``overrides`` repeat it
+    (:func:`ampctl.trust_paths.check_saved_paths`)."""
     from ampctl.train.builders import build_model
     from ampctl.trust import check_model_fits
+    from ampctl.trust_paths import check_saved_paths
 
     source = f"checkpoint {ckpt.get('path')}"
+    path = Path(str(ckpt.get("path", "."))).resolve()
+    run = RunLayout.of_checkpoint(path)
+    check_saved_paths(
+        ckpt.get("config"),
+        overrides,
+        run_root=run.root if run is not None else path.parent,
+        source=source,
+    )
     cfg = config_from_saved(ckpt["config"], overrides, source=source, trust_code=trust_code)
     state = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
     check_model_fits(lambda: build_model(cfg.model), state, source=source, flag=None)
@@ -87,7 +98,7 @@ def run_train(
     console: Console | None = None,
 ) -> int:
     from ampctl.protect.records import write_config
-    from ampctl.runlog.writers import new_run_dir
+    from ampctl.runlog.writers import check_run_writable, new_run_dir
     from ampctl.train.checkpoint import load_checkpoint
     from ampctl.train.dist import init_distributed
     from ampctl.train.trainer import Trainer
@@ -113,6 +124,8 @@ def run_train(
     target = (
         _resume_target(ck, name, Path(resume), cfg.trainer.runs_dir) if ck is not None else None
     )
+    if target is not None:
+        check_run_writable(target)  # no log or checkpoints folder planted as a link
     fork = ck is not None and target is None
     run_dir = target.root if target is not None else None
     if run_dir is None and ctx.is_main:

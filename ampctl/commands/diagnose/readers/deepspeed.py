@@ -35,7 +35,7 @@ INERT = [
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 ]
-_STEP = re.compile(r"^global_step(\d+)$")
+_STEP = re.compile(r"^global_step(\d+)\Z")
 _MODEL = "mp_rank_00_model_states.pt"
 
 

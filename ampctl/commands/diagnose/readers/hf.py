@@ -37,7 +37,7 @@ __all__ = ["FORMAT_NAME", "claims", "read", "checkpoints_of", "build_meta_model"
 
 FORMAT_NAME = "hf-trainer"
 TRAINER_STATE = "trainer_state.json"
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
+_CKPT = re.compile(r"^checkpoint-(\d+)\Z")
 
 
 def checkpoints_of(folder: Path) -> list[Path]:

@@ -13,8 +13,8 @@ from .base import FileNote, float_tensors, load_safetensors, load_torch
 
 __all__ = ["weight_files", "read_weight_files"]
 
-_SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors$")
-_BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin$")
+_SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors\Z")
+_BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin\Z")
 
 
 def weight_files(folder: Path) -> list[str]:
