@@ -133,12 +133,14 @@ def check_saved_paths(
     run_root: str | Path,
     source: str,
     cwd: str | Path | None = None,
+    unused: Iterable[str] = (),
 ) -> None:
     """Refuse a place the saved config names (:data:`SAVED_PATH_KEYS`, and W&B ``online``)
     outside ``run_root`` and the working directory, or a network URI, unless the user gives the
-    key on the command line (``overrides``). Nothing is opened. Raises
+    key on the command line (``overrides``). ``unused``: keys this command does not use (a
+    plain resume makes no new folder under ``trainer.runs_dir``). Nothing is opened. Raises
     :class:`SavedPathRefused` naming the override to give."""
-    given = overridden_keys(overrides)
+    given = overridden_keys(overrides) | set(unused)
     roots = [Path(run_root).resolve(), Path(cwd or os.getcwd()).resolve()]
     for key, what in SAVED_PATH_KEYS.items():
         value = _get(saved, key)

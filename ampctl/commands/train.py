@@ -20,13 +20,14 @@ from ampctl.runlog import RunLayout, fork_event, fork_into
 __all__ = ["run_train", "resume_config"]
 
 
-def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
+def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False, *, fork: bool = True):
     """The checkpoint's config with plain ``key=value`` overrides applied on top (the saved
     config is data: see :func:`ampctl.config.config_from_saved`); its model's dimensions are
     checked against the checkpoint's tensors before anything is built
     (:func:`ampctl.trust.check_model_fits`), and a place it names outside the run folder and the
     working directory is used only when ``overrides`` repeat it
-    (:func:`ampctl.trust_paths.check_saved_paths`)."""
+    (:func:`ampctl.trust_paths.check_saved_paths`; ``fork``: a new run folder is made under
+    ``trainer.runs_dir``, so it is checked too)."""
     from ampctl.train.builders import build_model
     from ampctl.trust import check_model_fits
     from ampctl.trust_paths import check_saved_paths
@@ -39,6 +40,7 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
         overrides,
         run_root=run.root if run is not None else path.parent,
         source=source,
+        unused=() if fork else ("trainer.runs_dir",),
     )
     cfg = config_from_saved(ckpt["config"], overrides, source=source, trust_code=trust_code)
     state = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
@@ -113,7 +115,7 @@ def run_train(
             raise ConfigError(
                 "conf= cannot be combined with --resume: the run keeps the config it was started with"
             )
-        cfg = resume_config(ck, rest, trust_code)
+        cfg = resume_config(ck, rest, trust_code, fork=name is not None)
     else:
         cfg = load_config(overrides, config_dir)
         preset, _ = split_overrides(overrides)
