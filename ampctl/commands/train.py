@@ -30,6 +30,7 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False, *,
     ``trainer.runs_dir``, so it is checked too)."""
     from ampctl.train.builders import build_model
     from ampctl.trust import check_model_fits
+    from ampctl.trust_counts import check_counts
     from ampctl.trust_paths import check_saved_paths
 
     source = f"checkpoint {ckpt.get('path')}"
@@ -44,6 +45,7 @@ def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False, *,
     )
     cfg = config_from_saved(ckpt["config"], overrides, source=source, trust_code=trust_code)
     state = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
+    check_counts(cfg.model, len(state), source=source)  # before a build of a million layers
     check_model_fits(lambda: build_model(cfg.model), state, source=source, flag=None)
     return cfg
 

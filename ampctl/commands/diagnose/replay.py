@@ -487,13 +487,16 @@ def activation_bytes(model_cfg: Any, batch: int, seq: int) -> int:
     return layers * (tokens * hidden * 80 + heads * tokens * seq * 12)
 
 
-def _checked_model(build: Any, state: dict[str, Any], what: str, **kw: Any) -> None:
+def _checked_model(build: Any, state: dict[str, Any], what: str, *, config: Any, **kw: Any) -> None:
     """:func:`ampctl.trust.check_model_fits` before the real build: a model whose dimensions
-    do not match the checkpoint's tensors, or that needs more memory than allowed, is not
-    built (the replay is skipped with the reason)."""
+    do not match the checkpoint's tensors, that asks for more layers than the checkpoint holds
+    tensors (:func:`ampctl.trust_counts.check_counts`, before the meta build), or that needs more
+    memory than allowed, is not built (the replay is skipped with the reason)."""
     from ampctl.trust import ResourceRefused, check_model_fits
+    from ampctl.trust_counts import check_counts
 
     try:
+        check_counts(config, len(state), source=what)
         check_model_fits(build, state, source=what, **kw)
     except ResourceRefused as e:
         raise ReplaySkipped(str(e)) from None
@@ -521,7 +524,11 @@ def ampctl_input(
     d = cfg.data
     extra = activation_bytes(cfg.model, d.batch_size, d.seq_len)
     _checked_model(
-        lambda: build_model(cfg.model), ck["model"], f"the checkpoint {found.path}", extra=extra
+        lambda: build_model(cfg.model),
+        ck["model"],
+        f"the checkpoint {found.path}",
+        config=cfg.model,
+        extra=extra,
     )
     try:
         with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the RNG alone
@@ -656,6 +663,7 @@ def hf_input(
         lambda: cls.from_config(config, trust_remote_code=False),
         found.weights,
         f"the checkpoint {found.path} (config.json)",
+        config=config,
         extra=activation_bytes(config, _BATCH, _SEQ),
         may_lack=lambda _k: True,
     )
@@ -749,6 +757,18 @@ _TOKENIZER_FILES = (
 
 
 def _tokenize(model_dir: Path, data_file: Path, need: int) -> torch.Tensor:
+    from ampctl.trust import MAX_WHOLE_FILE, FileRefused, checked_file, read_bounded
+
+    for name in _TOKENIZER_FILES:  # each under the whole-file cap before transformers reads it
+        f = model_dir / name
+        if f.exists() or f.is_symlink():
+            try:
+                if checked_file(f).st_size > MAX_WHOLE_FILE:
+                    read_bounded(f)  # refuses naming the cap; reads nothing
+            except FileRefused as e:
+                raise ReplaySkipped(
+                    f"--data needs the tokenizer saved beside the checkpoint: {e}"
+                ) from None
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         raise ReplaySkipped(
             "--data needs the tokenizer saved beside the checkpoint (none of "
