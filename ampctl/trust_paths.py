@@ -48,6 +48,7 @@ SAVED_PATH_KEYS = {
 }
 
 _LOCAL_SCHEMES = {"", "file", "sqlite"}
+_NETWORK_NAMES = {"databricks", "databricks-uc", "uc"}  # MLflow's scheme-less servers
 
 
 class SavedPathRefused(UsageError):
@@ -93,13 +94,16 @@ def _get(tree: Any, key: str) -> Any:
     return node
 
 
-def _inside(path: Path, roots: list[Path]) -> bool:
-    p = Path(os.path.abspath(path))  # relative to the working directory, as it is used
-    try:
-        p = p.resolve()
+def _resolved(path: Path) -> Path | None:
+    try:  # relative to the working directory, as it is used
+        return Path(os.path.abspath(path)).resolve()
     except (OSError, RuntimeError):
-        return False
-    return any(p.is_relative_to(r) for r in roots)
+        return None
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    p = _resolved(path)
+    return p is not None and any(p.is_relative_to(r) for r in roots)
 
 
 def _glob_base(text: str) -> str:
@@ -115,7 +119,7 @@ def _where(key: str, value: str) -> tuple[str, str | None]:
         return "path", _glob_base(value) if glob.has_magic(value) else value
     u = urlparse(value)
     scheme = u.scheme.lower()
-    if scheme not in _LOCAL_SCHEMES:
+    if scheme not in _LOCAL_SCHEMES or value.strip().lower() in _NETWORK_NAMES:
         return "network", None
     if scheme == "sqlite":  # sqlite:///relative.db, sqlite:////absolute.db
         rest = value.split(":", 1)[1]
@@ -155,8 +159,9 @@ def check_saved_paths(
                 f"not used on its own; to send it there, repeat it on the command line: "
                 f"{key}={value} (or give logging.mlflow_uri=null for a store in the run folder)"
             )
-        here = roots + [roots[0].parent] if key == "trainer.runs_dir" else roots
-        if not _inside(Path(path), here):  # runs_dir: also the folder the run itself is in
+        if key == "trainer.runs_dir" and _resolved(Path(path)) == roots[0].parent:
+            continue  # the folder the run itself is in (where it was made)
+        if not _inside(Path(path), roots):
             raise SavedPathRefused(
                 f"{source}: its saved config names {key}={value} ({what}), outside the run folder "
                 f"and the working directory: not used; to use it, repeat it on the command line: "
