@@ -87,16 +87,26 @@ class RunWriter:
         append_line(path, dumps_row(row))
 
 
+#: What the trackers' own libraries write inside a run folder (they follow links: a folder here
+#: that is a symlink out of the run, or a link at the SQLite store, would make them write
+#: outside it): folders, then files (ampctl.ui's sinks spell the same names).
+LIBRARY_FOLDERS = ("tensorboard", "wandb", "mlartifacts")
+LIBRARY_FILES = ("mlruns.db",)
+
+
 def check_run_writable(layout: RunLayout) -> None:
-    """Before ampctl writes into an existing run folder (``train --resume``): its logs are not
-    symlinks or other non-regular files (:func:`ampctl.files.check_appendable`) and its
-    ``checkpoints/`` folder is not a symlink out of the run. Raises a one-line
+    """Before ampctl writes into an existing run folder (``train --resume``): its logs (and the
+    trackers' store files) are not symlinks or other non-regular files
+    (:func:`ampctl.files.check_appendable`), and its ``checkpoints/``, ``branches/`` and
+    trackers' folders are not symlinks out of the run. Raises a one-line
     :class:`~ampctl.errors.UsageError`; nothing is written."""
     from ampctl.trust_paths import check_folder_inside
 
-    for path in (layout.metrics, layout.events):
+    for path in (layout.metrics, layout.events, *(layout.root / n for n in LIBRARY_FILES)):
         check_appendable(path)
     check_folder_inside(layout.checkpoints_dir, layout.root, what="the checkpoints folder")
+    for folder in (layout.branches_dir, *(layout.root / n for n in LIBRARY_FOLDERS)):
+        check_folder_inside(folder, layout.root, what=f"the {folder.name} folder")
 
 
 # ---------------------------------------------------------------------------- new folders

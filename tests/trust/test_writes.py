@@ -288,3 +288,26 @@ def test_dcp_values_not_read_are_in_the_json_notes(tmp_path):
 def test_the_checkpoint_written_is_a_real_one(run):
     ck = torch.load(run / "checkpoints" / "step_00000004.pt", weights_only=True)
     assert ck["step"] == 4 and RunLayout(run).latest_checkpoint().name == "step_00000004.pt"
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "branches", "mlruns.db"])
+def test_resume_refuses_a_folder_or_store_the_trackers_write_linked_out_of_the_run(
+    run, tmp_path, victim, name
+):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(victim if name.endswith(".db") else outside, run / name)
+    before = snapshot(run)
+    r = runner.invoke(app, ["train", "--resume", str(run), "trainer.max_steps=8", "-q"])
+    line = one_line(r)
+    assert f"'{run / name}' is a symlink" in line, line
+    assert snapshot(run) == before and list(outside.iterdir()) == []
+    assert victim.read_bytes() == VICTIM
+
+
+def test_the_library_written_names_are_the_sinks_own():
+    from ampctl.runlog.writers import LIBRARY_FILES, LIBRARY_FOLDERS
+    from ampctl.ui import mlflow_sink
+
+    assert mlflow_sink.LOCAL_STORE in LIBRARY_FILES
+    assert {mlflow_sink.LOCAL_ARTIFACTS, RunLayout.TENSORBOARD, "wandb"} == set(LIBRARY_FOLDERS)
