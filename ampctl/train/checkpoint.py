@@ -88,6 +88,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         check_folder_inside(run.checkpoints_dir, run.root, what="the checkpoints folder")
     if p.is_dir():
         check_folder_inside(RunLayout(p).checkpoints_dir, p, what="the checkpoints folder")
+        if p.name == RunLayout.CHECKPOINTS:  # --resume RUN/checkpoints
+            check_folder_inside(p, p.parent, what="the checkpoints folder")
         for d in (RunLayout(p).checkpoints_dir, p):
             latest = latest_checkpoint(d)
             if latest is not None:

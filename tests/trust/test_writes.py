@@ -202,6 +202,8 @@ def test_a_checkpoints_folder_linked_out_of_the_run_is_refused_for_writing_and_r
     assert one_line(r) == f"ampctl: error: {want}"
     with pytest.raises(FolderRefused):  # a checkpoint file named through the link, too
         load_checkpoint(run / "checkpoints" / "step_00000004.pt")
+    with pytest.raises(FolderRefused):  # and the folder itself
+        load_checkpoint(run / "checkpoints")
     assert snapshot(outside) == before and victim.read_bytes() == VICTIM
 
 
