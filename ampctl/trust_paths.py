@@ -48,6 +48,7 @@ SAVED_PATH_KEYS = {
 }
 
 _LOCAL_SCHEMES = {"", "file", "sqlite"}
+NULL_STORE = " (or give logging.mlflow_uri=null for a store in the run folder)"
 _NETWORK_NAMES = {"databricks", "databricks-uc", "uc"}  # MLflow's scheme-less servers
 
 
@@ -115,9 +116,15 @@ def _glob_base(text: str) -> str:
 
 def _where(key: str, value: str) -> tuple[str, str | None]:
     """``("path", PATH)`` for a local path, ``("network", None)`` for a network URI."""
-    if key != "logging.mlflow_uri" or len(value) > 1 and value[1] == ":":  # C:\ is a path
-        return "path", _glob_base(value) if glob.has_magic(value) else value
+    if len(value) > 1 and value[1] == ":":  # C:\ is a path
+        return "path", value
     u = urlparse(value)
+    if key != "logging.mlflow_uri":  # a path, unless it is a URL (hf://, https://, s3://)
+        if "://" in value and u.scheme.lower() not in _LOCAL_SCHEMES:
+            return "network", None
+        if u.scheme.lower() == "file":
+            return "path", unquote(u.path) or "."
+        return "path", _glob_base(value) if glob.has_magic(value) else value
     scheme = u.scheme.lower()
     if scheme not in _LOCAL_SCHEMES or value.strip().lower() in _NETWORK_NAMES:
         return "network", None
@@ -154,10 +161,11 @@ def check_saved_paths(
             continue  # not used: MLflow is off
         kind, path = _where(key, value)
         if kind == "network":
+            verb, prep = ("sends", "to") if key == "logging.mlflow_uri" else ("reads", "from")
             raise SavedPathRefused(
-                f"{source}: its saved config sends {what} to {key}={value}, a network address: "
-                f"not used on its own; to send it there, repeat it on the command line: "
-                f"{key}={value} (or give logging.mlflow_uri=null for a store in the run folder)"
+                f"{source}: its saved config {verb} {what} {prep} {key}={value}, a network "
+                f"address: not used on its own; to use it, repeat it on the command line: "
+                f"{key}={value}" + (NULL_STORE if key == "logging.mlflow_uri" else "")
             )
         if key == "trainer.runs_dir" and _resolved(Path(path)) == roots[0].parent:
             continue  # the folder the run itself is in (where it was made)

@@ -94,6 +94,15 @@ def test_a_network_uri_is_never_used_on_its_own(tmp_path):
         with pytest.raises(SavedPathRefused, match="a network address: not used on its own"):
             _check(saved, run=tmp_path, cwd=tmp_path)
         _check(saved, [f"logging.mlflow_uri={uri}"], run=tmp_path, cwd=tmp_path)
+    for key, url in (("data.path", "https://example.com/corpus.txt"), ("data.tokenizer", "hf://x")):
+        group, leaf = key.split(".")
+        with pytest.raises(SavedPathRefused) as e:
+            _check({group: {leaf: url}}, run=tmp_path, cwd=tmp_path)
+        assert (
+            f"reads the {'training data' if leaf == 'path' else 'tokenizer'} from {key}={url}, a network address"
+            in str(e.value)
+        )
+        _check({group: {leaf: url}}, [f"{key}={url}"], run=tmp_path, cwd=tmp_path)
     saved = {"logging": {"wandb": True, "wandb_mode": "online"}}
     with pytest.raises(
         SavedPathRefused, match=r"repeat it on the command line: logging.wandb_mode"
@@ -217,7 +226,7 @@ def test_resume_sends_nothing_to_a_tracking_server_the_checkpoint_names(edited, 
         assert _refused(r) == (
             f"ampctl: error: checkpoint {RunLayout(run).checkpoint(4).resolve()}: its saved "
             f"config sends the MLflow tracking store to logging.mlflow_uri={uri}, a network "
-            f"address: not used on its own; to send it there, repeat it on the command line: "
+            f"address: not used on its own; to use it, repeat it on the command line: "
             f"logging.mlflow_uri={uri} (or give logging.mlflow_uri=null for a store in the run "
             "folder)"
         )
