@@ -118,7 +118,10 @@ def _where(key: str, value: str) -> tuple[str, str | None]:
     """``("path", PATH)`` for a local path, ``("network", None)`` for a network URI."""
     if len(value) > 1 and value[1] == ":":  # C:\ is a path
         return "path", value
-    u = urlparse(value)
+    try:
+        u = urlparse(value)
+    except ValueError:  # "http://[bad": not a place ampctl goes to on its own
+        return "network", None
     if key != "logging.mlflow_uri":  # a path, unless it is a URL (hf://, https://, s3://)
         if "://" in value and u.scheme.lower() not in _LOCAL_SCHEMES:
             return "network", None
