@@ -89,6 +89,7 @@ def test_a_network_uri_is_never_used_on_its_own(tmp_path):
         "https://mlflow.example",
         "databricks",
         "postgresql://h/db",
+        "http://[bad",
     ):
         saved = {"logging": {"mlflow": True, "mlflow_uri": uri}}
         with pytest.raises(SavedPathRefused, match="a network address: not used on its own"):
