@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampctl.errors import UsageError
+from ampctl.files import WriteRefused, write_new
 
 __all__ = ["SPECIAL_TOKENS", "TokenizerTrainError", "TrainedTokenizer", "train_tokenizer"]
 
@@ -77,11 +78,12 @@ def train_tokenizer(
     if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
         raise TokenizerTrainError(f"--min-frequency {min_frequency!r}: must be an integer >= 1")
     out = Path(out).expanduser()
-    if (out / "tokenizer.json").exists():
-        raise TokenizerTrainError(
-            f"--out '{out}' already holds a tokenizer.json: choose another folder (nothing is "
-            "overwritten)"
-        )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (out / name).exists() or (out / name).is_symlink():
+            raise TokenizerTrainError(
+                f"--out '{out}' already holds a {name}: choose another folder (nothing is "
+                "overwritten)"
+            )
     if out.exists() and not out.is_dir():
         raise TokenizerTrainError(f"--out '{out}' is a file: give a folder")
     try:
@@ -121,7 +123,6 @@ def train_tokenizer(
         raise TokenizerTrainError(f"'{path}' holds no text to train a tokenizer on")
 
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS["eos_token"],
@@ -129,7 +130,11 @@ def train_tokenizer(
         "model_max_length": 1 << 30,
         "clean_up_tokenization_spaces": False,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    try:  # new files only, never through a link (ampctl.files.write_new)
+        write_new(out / "tokenizer.json", tok.to_str(pretty=True))
+        write_new(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    except WriteRefused as e:
+        raise TokenizerTrainError(f"--out '{out}': {e}") from None
     return TrainedTokenizer(
         out=out,
         vocab_size=tok.get_vocab_size(with_added_tokens=True),

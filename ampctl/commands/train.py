@@ -20,17 +20,32 @@ from ampctl.runlog import RunLayout, fork_event, fork_into
 __all__ = ["run_train", "resume_config"]
 
 
-def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False):
+def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False, *, fork: bool = True):
     """The checkpoint's config with plain ``key=value`` overrides applied on top (the saved
     config is data: see :func:`ampctl.config.config_from_saved`); its model's dimensions are
     checked against the checkpoint's tensors before anything is built
-    (:func:`ampctl.trust.check_model_fits`)."""
+    (:func:`ampctl.trust.check_model_fits`), and a place it names outside the run folder and the
+    working directory is used only when ``overrides`` repeat it
+    (:func:`ampctl.trust_paths.check_saved_paths`; ``fork``: a new run folder is made under
+    ``trainer.runs_dir``, so it is checked too)."""
     from ampctl.train.builders import build_model
     from ampctl.trust import check_model_fits
+    from ampctl.trust_counts import check_counts
+    from ampctl.trust_paths import check_saved_paths
 
     source = f"checkpoint {ckpt.get('path')}"
+    path = Path(str(ckpt.get("path", "."))).resolve()
+    run = RunLayout.of_checkpoint(path)
+    check_saved_paths(
+        ckpt.get("config"),
+        overrides,
+        run_root=run.root if run is not None else path.parent,
+        source=source,
+        unused=() if fork else ("trainer.runs_dir",),
+    )
     cfg = config_from_saved(ckpt["config"], overrides, source=source, trust_code=trust_code)
     state = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
+    check_counts(cfg.model, len(state), source=source)  # before a build of a million layers
     check_model_fits(lambda: build_model(cfg.model), state, source=source, flag=None)
     return cfg
 
@@ -87,7 +102,7 @@ def run_train(
     console: Console | None = None,
 ) -> int:
     from ampctl.protect.records import write_config
-    from ampctl.runlog.writers import new_run_dir
+    from ampctl.runlog.writers import check_run_writable, new_run_dir
     from ampctl.train.checkpoint import load_checkpoint
     from ampctl.train.dist import init_distributed
     from ampctl.train.trainer import Trainer
@@ -102,7 +117,7 @@ def run_train(
             raise ConfigError(
                 "conf= cannot be combined with --resume: the run keeps the config it was started with"
             )
-        cfg = resume_config(ck, rest, trust_code)
+        cfg = resume_config(ck, rest, trust_code, fork=name is not None)
     else:
         cfg = load_config(overrides, config_dir)
         preset, _ = split_overrides(overrides)
@@ -113,6 +128,8 @@ def run_train(
     target = (
         _resume_target(ck, name, Path(resume), cfg.trainer.runs_dir) if ck is not None else None
     )
+    if target is not None:
+        check_run_writable(target)  # no log or checkpoints folder planted as a link
     fork = ck is not None and target is None
     run_dir = target.root if target is not None else None
     if run_dir is None and ctx.is_main:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ampctl.amp import LossScaler
+from ampctl.files import write_text
 
 from .common import IntegrationError, require, share_flags
 from .protected_run import LoopInfo, ProtectedRun
@@ -223,7 +224,7 @@ def protected_run(
 
     def save_hook(models: Any, weights: Any, output_dir: str) -> None:
         if accelerator.is_main_process:
-            Path(output_dir, RUN_STATE_NAME).write_text(json.dumps(run.state_dict()) + "\n")
+            write_text(Path(output_dir, RUN_STATE_NAME), json.dumps(run.state_dict()) + "\n")
 
     def load_hook(models: Any, input_dir: str) -> None:
         path = Path(input_dir, RUN_STATE_NAME)

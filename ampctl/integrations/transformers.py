@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from ampctl.amp import LossScaler
+from ampctl.files import write_file, write_text
 from ampctl.protect.protection import TrainAborted
 from ampctl.protect.settings import GuardConfig
 
@@ -224,7 +225,7 @@ class AmpctlTrainerCallback(TrainerCallback):
             return
         folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if folder.is_dir():
-            (folder / RUN_STATE_NAME).write_text(json.dumps(self.run.state_dict()) + "\n")
+            write_text(folder / RUN_STATE_NAME, json.dumps(self.run.state_dict()) + "\n")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.finish(self.status)
@@ -257,7 +258,8 @@ def _keep_checkpoints_plain(trainer: Trainer, native: dict[str, bool]) -> None:
         if native["scaler"] or not isinstance(scaler, LossScaler):
             return save(output_dir)
         if trainer.args.should_save:
-            torch.save(scaler.state_dict(), Path(output_dir, SCALER_FILE))
+            with write_file(Path(output_dir, SCALER_FILE)) as f:
+                torch.save(scaler.state_dict(), f)
 
     def _load_scaler(checkpoint: str | None) -> None:
         scaler = trainer.accelerator.scaler

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ampctl.files import touch
 from ampctl.protect.settings import LoggingConfig
 from ampctl.runlog import RunLayout, RunWriter, read_jsonl
 from ampctl.ui.sinks import Sinks
@@ -50,7 +51,7 @@ class RunLogger:
         self.is_main = is_main
         self.display = display if is_main else None
         if is_main:  # every run folder has events.jsonl, empty while nothing happened
-            self.layout.events.touch()
+            touch(self.layout.events)
         lg = logging or LoggingConfig()
         if tensorboard and not lg.tensorboard:
             lg = dataclasses.replace(lg, tensorboard=True)

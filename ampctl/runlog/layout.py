@@ -9,7 +9,7 @@ from pathlib import Path
 __all__ = ["RunLayout", "is_run_dir", "CHECKPOINT_NAME"]
 
 #: ``checkpoints/step_00000100.pt``: eight or more digits of the step.
-CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})\.pt\Z")
 
 
 @dataclass(frozen=True)

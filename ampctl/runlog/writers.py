@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
 from ampctl.errors import UsageError
+from ampctl.files import append_line, check_appendable, write_text
 
 from .layout import RunLayout
 
@@ -24,6 +24,7 @@ __all__ = [
     "RunExistsError",
     "RunWriter",
     "atomic_write_text",
+    "check_run_writable",
     "default_run_name",
     "dumps_row",
     "jsonable",
@@ -54,19 +55,10 @@ def dumps_row(row: dict[str, Any]) -> str:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and a rename: readers
-    see the old file or the new one, never half of one. The temp file is removed on failure."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``path`` atomically through :func:`ampctl.files.write_text` (a fresh
+    temp file in the same folder, never through a link, and a rename): readers see the old file
+    or the new one, never half of one. The temp file is removed on failure."""
+    write_text(path, text)
 
 
 class RunWriter:
@@ -92,8 +84,29 @@ class RunWriter:
 
     @staticmethod
     def _append(path: Path, row: dict[str, Any]) -> None:
-        with open(path, "a") as f:
-            f.write(dumps_row(row) + "\n")
+        append_line(path, dumps_row(row))
+
+
+#: What the trackers' own libraries write inside a run folder (they follow links: a folder here
+#: that is a symlink out of the run, or a link at the SQLite store, would make them write
+#: outside it): folders, then files (ampctl.ui's sinks spell the same names).
+LIBRARY_FOLDERS = ("tensorboard", "wandb", "mlartifacts")
+LIBRARY_FILES = ("mlruns.db",)
+
+
+def check_run_writable(layout: RunLayout) -> None:
+    """Before ampctl writes into an existing run folder (``train --resume``): its logs (and the
+    trackers' store files) are not symlinks or other non-regular files
+    (:func:`ampctl.files.check_appendable`), and its ``checkpoints/``, ``branches/`` and
+    trackers' folders are not symlinks out of the run. Raises a one-line
+    :class:`~ampctl.errors.UsageError`; nothing is written."""
+    from ampctl.trust_paths import check_folder_inside
+
+    for path in (layout.metrics, layout.events, *(layout.root / n for n in LIBRARY_FILES)):
+        check_appendable(path)
+    check_folder_inside(layout.checkpoints_dir, layout.root, what="the checkpoints folder")
+    for folder in (layout.branches_dir, *(layout.root / n for n in LIBRARY_FOLDERS)):
+        check_folder_inside(folder, layout.root, what=f"the {folder.name} folder")
 
 
 # ---------------------------------------------------------------------------- new folders
@@ -101,7 +114,7 @@ class RunExistsError(UsageError):
     """A run folder that exists already (a run is never overwritten) or a bad ``--name``."""
 
 
-_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
+_NAME_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")
 
 
 def default_run_name(preset: str) -> str:
@@ -112,7 +125,7 @@ def new_run_dir(runs_dir: str | Path, name: str | None, preset: str = "config") 
     """Create ``runs_dir/name`` (a unique default name when ``name`` is None)."""
     root = Path(runs_dir)
     if name is not None:
-        if not _NAME_OK.match(name) or name in (".", ".."):
+        if not _NAME_OK.fullmatch(name) or name in (".", ".."):
             raise RunExistsError(
                 f"--name {name!r}: use letters, digits and . _ - = , + (no slashes or spaces)"
             )

@@ -1,14 +1,15 @@
 """Atomic checkpoints that are safe to load from strangers.
 
-* Written to ``<name>.tmp`` in the same folder, flushed, fsync'ed, then renamed over the final
-  name (and the folder fsync'ed): a crash mid-write never leaves a broken latest checkpoint.
+* Written through :func:`ampctl.files.write_file`: a fresh temp file created exclusively in the
+  same folder (never through a planted link), flushed, fsync'ed, then renamed over the final name
+  (and the folder fsync'ed): a crash mid-write never leaves a broken latest checkpoint. A
+  ``checkpoints/`` folder that is a symlink out of the run is refused, for writing and reading.
 * Read with ``torch.load(..., weights_only=True)``: only tensors and plain containers, never
   code. Anything else is refused with :class:`CheckpointError` (one clear line).
 """
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 
 from ampctl.errors import UsageError
+from ampctl.files import write_file
 from ampctl.runlog.layout import RunLayout, list_checkpoints
+from ampctl.trust_paths import check_folder_inside
 
 __all__ = [
     "CheckpointError",
@@ -38,28 +41,6 @@ class CheckpointError(UsageError):
     """A checkpoint that is missing, truncated, not ours, or carries code."""
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path: Path) -> None:
-    """Remove a partial temp file; a path that cannot even be looked up (its folder is a file)
-    must not hide the error being reported."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
@@ -72,26 +53,19 @@ def save_checkpoint(run: RunLayout, step: int, state: dict[str, Any], keep_last:
     untouched, and :class:`CheckpointWriteError` says so in one line.
     """
     ckpt_dir = run.checkpoints_dir
-    final, tmp = run.checkpoint(step), run.checkpoint_tmp(step)
+    final = run.checkpoint(step)
     payload = {"format": FORMAT, "step": int(step), **state}
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        check_folder_inside(ckpt_dir, run.root, what="the checkpoints folder")
+        with write_file(final, "wb") as f:  # a fresh temp file, never through a link
             torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
     except OSError as e:
-        _remove_quietly(tmp)
         prev = latest_checkpoint(ckpt_dir)
         raise CheckpointWriteError(
             f"could not write the step-{step} checkpoint in {ckpt_dir}: {e.strerror or e}; the "
             f"previous checkpoint {'(none)' if prev is None else prev} is intact"
         ) from None
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
     for old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return final
@@ -109,7 +83,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(
             f"{str(path)!r} does not exist: give a checkpoint file or a run folder"
         )
+    run = RunLayout.of_checkpoint(p)  # a file named in <run>/checkpoints/: its folder too
+    if run is not None:
+        check_folder_inside(run.checkpoints_dir, run.root, what="the checkpoints folder")
     if p.is_dir():
+        check_folder_inside(RunLayout(p).checkpoints_dir, p, what="the checkpoints folder")
+        if p.name == RunLayout.CHECKPOINTS:  # --resume RUN/checkpoints
+            check_folder_inside(p, p.parent, what="the checkpoints folder")
         for d in (RunLayout(p).checkpoints_dir, p):
             latest = latest_checkpoint(d)
             if latest is not None:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampctl.files import open_append, write_file, write_text
 from ampctl.train.data import (
     DataError,
     PackedSource,
@@ -456,7 +457,7 @@ def _locked(path: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    with open(path, "a+b") as handle:
+    with open_append(path) as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -482,11 +483,12 @@ def _read_meta(folder: Path, key: str) -> dict[str, Any] | None:
 def _write_stream(
     out: Path, texts: Iterator[list[str]], tok: TokenizerInfo, separator: int
 ) -> tuple[int, int]:
-    """Encode every document, append the separator, write int32; ``(tokens, documents)``."""
+    """Encode every document, append the separator, write int32 to ``out`` (atomically, through
+    :func:`ampctl.files.write_file`); ``(tokens, documents)``."""
     import array
 
     n_tokens = n_docs = 0
-    with open(out, "wb") as f:
+    with write_file(out) as f:
         for docs in texts:
             buf = array.array("i")
             for ids in tok.encode_batch(docs):
@@ -648,13 +650,10 @@ class HFSource(PackedSource):
         split: str,
     ) -> dict[str, Any]:
         t0 = time.perf_counter()
-        tmp = folder / f"tokens.bin.tmp{os.getpid()}"
-        try:
-            texts = iter_texts(fmt, files, text_field, split)
-            n_tokens, n_docs = _write_stream(tmp, texts, self.tokenizer, self.separator_id)
-            os.replace(tmp, folder / "tokens.bin")
-        finally:
-            tmp.unlink(missing_ok=True)
+        texts = iter_texts(fmt, files, text_field, split)
+        n_tokens, n_docs = _write_stream(
+            folder / "tokens.bin", texts, self.tokenizer, self.separator_id
+        )
         meta = {
             "key": key,
             "tokens": n_tokens,
@@ -664,9 +663,7 @@ class HFSource(PackedSource):
             "seconds": round(time.perf_counter() - t0, 3),
             "inputs": key_data,
         }
-        tmp_meta = folder / f"meta.json.tmp{os.getpid()}"
-        tmp_meta.write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        os.replace(tmp_meta, folder / "meta.json")
+        write_text(folder / "meta.json", json.dumps(meta, indent=1))
         return meta
 
     def _mask(self, tokens: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:

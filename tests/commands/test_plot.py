@@ -397,7 +397,7 @@ def test_a_failed_write_is_a_message_not_a_crash(tmp_path, monkeypatch):
     d = write_run(tmp_path / "r", [row(1, 2.0), row(2, 1.9)])
 
     def full(self, fname, **kw):
-        open(fname, "wb").write(b"\x89PNG partial")
+        fname.write(b"\x89PNG partial")  # savefig writes to the file object of ampctl.files
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", full)

@@ -7,12 +7,14 @@ import errno
 import io
 import pickle
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+from ampctl import files
 from ampctl.runlog import RunLayout
-from ampctl.train import checkpoint as ck
 from ampctl.train.checkpoint import (
     FORMAT,
     CheckpointError,
@@ -109,7 +111,7 @@ def test_a_failure_before_the_temp_file_exists(tmp_path, monkeypatch):
     def denied(self, *a, **k):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(ck.Path, "mkdir", denied)
+    monkeypatch.setattr(Path, "mkdir", denied)
     run = RunLayout(tmp_path / "r")
     with pytest.raises(CheckpointWriteError) as e:
         save_checkpoint(run, 1, _state(1.0))
@@ -141,20 +143,27 @@ def test_the_final_name_appears_only_by_rename(tmp_path, monkeypatch):
     """The payload goes to the temp name; the final name is created by os.replace."""
     run = RunLayout(tmp_path / "r")
     seen = []
-    real = ck.os.replace
+    real = files.os.replace
 
     def replace(src, dst):
         seen.append((str(src), str(dst), run.checkpoint(4).exists(), src.stat().st_size > 0))
         return real(src, dst)
 
-    monkeypatch.setattr(ck.os, "replace", replace)
+    monkeypatch.setattr(files.os, "replace", replace)
     save_checkpoint(run, 4, _state(4.0))
-    assert seen == [(str(run.checkpoint_tmp(4)), str(run.checkpoint(4)), False, True)]
+    [(src, dst, existed, written)] = seen
+    assert re.fullmatch(r"\.step_00000004\.pt\.[0-9a-f]{12}\.tmp", Path(src).name)
+    assert (Path(src).parent, dst, existed, written) == (
+        run.checkpoints_dir,
+        str(run.checkpoint(4)),
+        False,
+        True,
+    )
 
 
 def test_fsync_dir_tolerates_what_cannot_be_opened(tmp_path):
-    ck._fsync_dir(tmp_path)
-    ck._fsync_dir(tmp_path / "missing")
+    files.fsync_dir(tmp_path)
+    files.fsync_dir(tmp_path / "missing")
 
 
 # ------------------------------------------------------------------ resolving and loading

@@ -488,16 +488,24 @@ def activation_bytes(model_cfg: Any, batch: int, seq: int) -> int:
 
 
 def _checked_model(
-    build: Any, state: Any, what: str, *, device: torch.device | None = None, **kw: Any
+    build: Any,
+    state: Any,
+    what: str,
+    *,
+    config: Any,
+    device: torch.device | None = None,
+    **kw: Any,
 ) -> None:
     """:func:`ampctl.trust.check_model_fits` before the real build: a model whose dimensions
-    do not match the checkpoint's tensors, or that needs more memory than allowed, is not
-    built (the replay is skipped with the reason: one line saying what would make it run; the
-    state health and the history are reported as ever). ``state``: the checkpoint's tensors,
-    looked at by shape only (nothing is read). On a CUDA ``device`` the host holds the model
-    twice at most (built, and the checkpoint's tensors while they are copied in); gradients and
-    activations are the device's."""
+    do not match the checkpoint's tensors, that asks for more layers than the checkpoint holds
+    tensors (:func:`ampctl.trust_counts.check_counts`, before the meta build), or that needs more
+    memory than allowed, is not built (the replay is skipped with the reason: one line saying
+    what would make it run; the state health and the history are reported as ever). ``state``:
+    the checkpoint's tensors, looked at by shape only (nothing is read). On a CUDA ``device``
+    the host holds the model twice at most (built, and the checkpoint's tensors while they are
+    copied in); gradients and activations are the device's."""
     from ampctl.trust import ResourceRefused, check_model_fits, human_size
+    from ampctl.trust_counts import check_counts
 
     from .readers.lazy import meta_of
 
@@ -505,6 +513,7 @@ def _checked_model(
     if cuda:
         kw = {**kw, "factor": 2.0, "extra": 0}
     try:
+        check_counts(config, len(state), source=what)
         check_model_fits(build, meta_of(state), source=what, **kw)
     except ResourceRefused as e:
         if e.need is None or e.limit is None:
@@ -548,6 +557,7 @@ def ampctl_input(
         lambda: build_model(cfg.model),
         ck["model"],
         f"the checkpoint {found.path}",
+        config=cfg.model,
         extra=extra,
         device=device,
     )
@@ -684,6 +694,7 @@ def hf_input(
         lambda: cls.from_config(config, trust_remote_code=False),
         found.weights,  # by shape: nothing is read
         f"the checkpoint {found.path} (config.json)",
+        config=config,
         extra=activation_bytes(config, _BATCH, _SEQ),
         may_lack=lambda _k: True,
         device=device,
@@ -778,6 +789,18 @@ _TOKENIZER_FILES = (
 
 
 def _tokenize(model_dir: Path, data_file: Path, need: int) -> torch.Tensor:
+    from ampctl.trust import MAX_WHOLE_FILE, FileRefused, checked_file, read_bounded
+
+    for name in _TOKENIZER_FILES:  # each under the whole-file cap before transformers reads it
+        f = model_dir / name
+        if f.exists() or f.is_symlink():
+            try:
+                if checked_file(f).st_size > MAX_WHOLE_FILE:
+                    read_bounded(f)  # refuses naming the cap; reads nothing
+            except FileRefused as e:
+                raise ReplaySkipped(
+                    f"--data needs the tokenizer saved beside the checkpoint: {e}"
+                ) from None
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         raise ReplaySkipped(
             "--data needs the tokenizer saved beside the checkpoint (none of "

@@ -4,11 +4,11 @@ series, saving atomically."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from ampctl.errors import UsageError
+from ampctl.files import write_file
 from ampctl.runlog import as_number
 
 HINT = 'plotting needs matplotlib: pip install "ampctl[plot]" (or pip install matplotlib)'
@@ -121,10 +121,6 @@ def _check_out(out: Path) -> str:
 
 def _save(fig, out: Path) -> Path:
     fmt = _check_out(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        fig.savefig(tmp, format=fmt, dpi=100)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with write_file(out) as f:  # a fresh temp file, never through a planted link
+        fig.savefig(f, format=fmt, dpi=100)
     return out

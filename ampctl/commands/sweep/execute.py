@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 
 from ampctl.config import ConfigError
+from ampctl.files import open_append, touch
 from ampctl.runlog import RunLayout, as_number, atomic_write_text, read_json
 from ampctl.trust import find_targets, is_shipped_target
 
@@ -346,7 +347,7 @@ class SweepRun:
         for src, name in ((p.job.stdout, "stdout.log"), (p.job.stderr, "stderr.log")):
             src_p = Path(src)
             if src_p.exists():
-                with open(run_dir / name, "ab") as f:
+                with open_append(run_dir / name) as f:
                     f.write(src_p.read_bytes())
                 src_p.unlink()
 
@@ -437,7 +438,7 @@ class SweepRun:
         self.view.refresh(self.result.rows)
 
     def request_stop(self, p: _Piece) -> None:
-        Path(p.job.stop_file).touch()
+        touch(p.job.stop_file)
         self.launcher.cancel(p.handle)
 
     # ------------------------------------------------------------------ stopping

@@ -29,7 +29,7 @@ __all__ = [
 
 DEFAULT_GRID = ["scaler.init_scale=1024,8192,65536", "scaler.growth_interval=100,500,2000"]
 SCALE_KEYS = ("scaler.init_scale", "scaler.growth_interval")
-_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*\Z")
 
 
 @dataclass

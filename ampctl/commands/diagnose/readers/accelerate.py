@@ -22,8 +22,8 @@ from .weights import read_weight_files, weight_files
 __all__ = ["FORMAT_NAME", "claims", "read"]
 
 FORMAT_NAME = "accelerate"
-_OPT = re.compile(r"^optimizer(_\d+)?\.bin$")
-_AUTO = re.compile(r"^checkpoint_(\d+)$")
+_OPT = re.compile(r"^optimizer(_\d+)?\.bin\Z")
+_AUTO = re.compile(r"^checkpoint_(\d+)\Z")
 
 
 def _is_state_dir(path: Path) -> bool:

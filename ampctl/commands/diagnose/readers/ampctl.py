@@ -19,7 +19,8 @@ import torch
 from ampctl.amp.precision import saved_in_fp32
 from ampctl.runlog import RunLayout, RunRecord, is_run_dir
 from ampctl.runlog.layout import CHECKPOINT_NAME, list_checkpoints
-from ampctl.runlog.readers import load_config_text
+from ampctl.runlog.readers import RunFileError, load_config_text
+from ampctl.trust_paths import check_folder_inside
 
 from . import plain
 from .base import Found, ReaderError, load_torch
@@ -40,6 +41,7 @@ def resolve(path: Path) -> Path:
     """The checkpoint file a path stands for (a run folder: its newest checkpoint)."""
     if path.is_file():
         return path
+    check_folder_inside(path / RunLayout.CHECKPOINTS, path, what="the checkpoints folder")
     for d in (path / RunLayout.CHECKPOINTS, path):
         ckpts = list_checkpoints(d)
         if ckpts:
@@ -85,6 +87,18 @@ def _run_config(run_dir: Path | None) -> dict[str, Any] | None:
     if not path.exists() and not path.is_symlink():
         return None
     return load_config_text(path)
+
+
+def _note_unread_run_config(found: Found) -> None:
+    """Beside the checkpoint's own config the run folder's ``config.yaml`` is not needed; one
+    that cannot be read (a Python YAML tag, not YAML ...) is said in a note, not passed over."""
+    try:
+        _run_config(found.run_dir)
+    except RunFileError as e:
+        found.notes.append(
+            f"the run folder's {RunLayout.CONFIG} is not read ({e.reason}); the checkpoint's own "
+            "config is used"
+        )
 
 
 def _history_only(run_dir: Path) -> Found:
@@ -159,6 +173,8 @@ def read_loaded(ck: dict[str, Any], ckpt: Path, *, given: Path | None = None) ->
     found.run_dir = run_dir if run_dir is not None and run_dir.is_dir() else None
     if config is None:
         found.run_config = _run_config(found.run_dir)
+    else:
+        _note_unread_run_config(found)
     found.siblings = [p for p in reversed(list_checkpoints(ckpt.parent)) if p != ckpt]
     return found
 

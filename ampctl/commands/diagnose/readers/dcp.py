@@ -413,6 +413,10 @@ def read(path: Path, *, trust_code: bool = False) -> Found:
                 f"pickled Python objects ({shown}); --trust-code loads them with DCP's loader",
             )
         )
+        found.notes.append(  # --json's notes say it too, not only the text report's file list
+            f"{len(unread)} non-tensor value(s) not read (pickled Python objects: {shown}); "
+            "--trust-code loads them with DCP's loader"
+        )
     found.siblings = _siblings(path)
     return found
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ampctl.trust import read_bounded
+from ampctl.trust_paths import check_folder_inside
 
 from .base import FileNote, Found, InertObject, NotACheckpoint, float_tensors, load_restricted
 
@@ -35,7 +36,7 @@ INERT = [
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 ]
-_STEP = re.compile(r"^global_step(\d+)$")
+_STEP = re.compile(r"^global_step(\d+)\Z")
 _MODEL = "mp_rank_00_model_states.pt"
 
 
@@ -45,6 +46,8 @@ def _tags(folder: Path) -> list[Path]:
         for p in folder.iterdir()
         if p.is_dir() and (m := _STEP.match(p.name)) and (p / _MODEL).is_file()
     ]
+    for _, p in found:  # a tag folder that is a symlink out of the checkpoint folder: refused
+        check_folder_inside(p, folder, what="the DeepSpeed tag folder")
     return [p for _, p in sorted(found, reverse=True)]
 
 

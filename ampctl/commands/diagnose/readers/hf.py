@@ -20,7 +20,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ampctl.errors import UsageError
 from ampctl.runlog.readers import RunFileError, load_json
+from ampctl.trust import read_bounded
 
 from .base import (
     FileNote,
@@ -38,7 +40,7 @@ __all__ = ["FORMAT_NAME", "claims", "read", "checkpoints_of", "build_meta_model"
 
 FORMAT_NAME = "hf-trainer"
 TRAINER_STATE = "trainer_state.json"
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
+_CKPT = re.compile(r"^checkpoint-(\d+)\Z")
 
 
 def checkpoints_of(folder: Path) -> list[Path]:
@@ -134,8 +136,17 @@ def _read_files(found: Found, path: Path) -> None:
         )
     found.history = history_of(state, path / TRAINER_STATE)
     if found.model_dir is not None:
-        found.param_orders = hf_param_orders(found.model_dir)
-        if not found.param_orders:
+        try:
+            found.param_orders = hf_param_orders(found.model_dir, len(found.weights))
+            why = None
+        except UsageError as e:  # config.json over the cap, or more layers than tensors
+            found.param_orders, why = [], str(e)
+        if why is not None:
+            found.notes.append(
+                f"the model is not rebuilt from config.json ({why}): optimizer state is named "
+                "by shape"
+            )
+        elif not found.param_orders:
             found.notes.append(
                 "the model could not be rebuilt from config.json (is transformers installed? "
                 "pip install transformers): optimizer state is named by shape"
@@ -186,12 +197,23 @@ def history_of(state: dict[str, Any], source: Path) -> ForeignHistory | None:
 
 
 # ---------------------------------------------------------------------------- names
-def build_meta_model(model_dir: Path) -> Any:
+def build_meta_model(model_dir: Path, tensors: int | None = None) -> Any:
     """The model of a Hugging Face folder, built on the meta device from ``config.json``
-    through transformers' Auto classes (``trust_remote_code=False``, local files only). Raises
-    ImportError / ValueError / OSError when it cannot be built without foreign code."""
+    through transformers' Auto classes (``trust_remote_code=False``, local files only), after
+    ``config.json`` is read under the whole-file cap and its layer counts are checked against
+    ``tensors`` (the checkpoint's; :func:`ampctl.trust_counts.check_counts`). Raises
+    :class:`~ampctl.errors.UsageError` for those refusals, ImportError / ValueError / OSError
+    when it cannot be built without foreign code."""
+    import json
+
     import torch
     from transformers import AutoConfig
+
+    from ampctl.trust_counts import check_counts
+
+    raw = read_bounded(model_dir / "config.json")  # FileRefused over the cap: never read whole
+    if tensors is not None:
+        check_counts(json.loads(raw), tensors, source=f"{model_dir / 'config.json'}")
 
     config = AutoConfig.from_pretrained(
         str(model_dir), trust_remote_code=False, local_files_only=True
@@ -233,11 +255,17 @@ def _mapping_values(mapping: Any, config: Any) -> list[Any]:
     return list(v) if isinstance(v, list | tuple) else [v]
 
 
-def hf_param_orders(model_dir: Path) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+def hf_param_orders(
+    model_dir: Path, tensors: int | None = None
+) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
     """Candidate optimizer orders: the Trainer's two groups (weight decay, then none), and the
-    plain model order. Empty when the model cannot be built (names then come from shapes)."""
+    plain model order. Empty when the model cannot be built (names then come from shapes);
+    :class:`~ampctl.errors.UsageError` when ``config.json`` is refused (the size cap, more
+    layers than ``tensors``)."""
     try:
-        model = build_meta_model(model_dir)
+        model = build_meta_model(model_dir, tensors)
+    except UsageError:
+        raise
     except Exception:  # noqa: BLE001 - names are a nicety: fall back to shapes
         return []
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]

@@ -43,7 +43,7 @@ def _numbered_peers(path: Path) -> list[tuple[list[int], Path]]:
     """Files beside ``path`` named as it is but for their numbers, with their numbers."""
     if not _DIGITS.search(path.name) or not path.parent.is_dir():
         return []
-    pattern = re.compile("^" + _DIGITS.sub(r"(\\d+)", re.escape(path.name)) + "$")
+    pattern = re.compile("^" + _DIGITS.sub(r"(\\d+)", re.escape(path.name)) + r"\Z")
     out = []
     for p in path.parent.iterdir():
         m = pattern.match(p.name) if p != path and p.is_file() else None

@@ -22,8 +22,8 @@ from .lazy import LazyTensors
 
 __all__ = ["weight_files", "read_weight_files", "index_file"]
 
-_SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors$")
-_BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin$")
+_SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors\Z")
+_BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin\Z")
 _INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 

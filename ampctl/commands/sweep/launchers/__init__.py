@@ -94,7 +94,7 @@ class Launcher:
         """Release what the launcher started (a local Ray it started, for instance)."""
 
 
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?\Z")
 
 
 def parse_time_minutes(text: str) -> int:

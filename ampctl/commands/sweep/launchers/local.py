@@ -9,6 +9,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from ampctl.files import open_append
+
 from . import Launcher, LauncherOptions, Outcome, TrialJob
 
 __all__ = ["LocalLauncher", "threads_per_trial", "cores"]
@@ -59,7 +61,7 @@ class LocalLauncher(Launcher):
     def submit(self, job: TrialJob) -> _Proc:
         env = dict(os.environ)
         env.update(job.env)
-        with open(job.stdout, "ab") as out, open(job.stderr, "ab") as err:
+        with open_append(job.stdout) as out, open_append(job.stderr) as err:
             # own session: a Ctrl-C on the terminal reaches the sweep only; it stops the trials
             proc = subprocess.Popen(
                 [sys.executable, *job.args],

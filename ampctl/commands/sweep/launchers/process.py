@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from ampctl.files import open_append
+
 from . import Outcome, TrialJob
 
 __all__ = ["run_trial", "FolderNotShared"]
@@ -47,7 +49,7 @@ def run_trial(job: TrialJob) -> Outcome:
     env = dict(os.environ)
     env.update(job.env)
     try:
-        with open(job.stdout, "ab") as out, open(job.stderr, "ab") as err:
+        with open_append(job.stdout) as out, open_append(job.stderr) as err:
             proc = subprocess.Popen(
                 [sys.executable, *job.args],
                 cwd=job.cwd,
