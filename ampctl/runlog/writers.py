@@ -23,6 +23,7 @@ from .layout import RunLayout
 __all__ = [
     "RunExistsError",
     "RunWriter",
+    "append_line",
     "atomic_write_text",
     "default_run_name",
     "dumps_row",
@@ -64,9 +65,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # the file it was for, not the temp file, in the message
+        _unlink_quietly(tmp)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp)
         raise
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class RunWriter:
@@ -92,8 +103,29 @@ class RunWriter:
 
     @staticmethod
     def _append(path: Path, row: dict[str, Any]) -> None:
-        with open(path, "a") as f:
-            f.write(dumps_row(row) + "\n")
+        append_line(path, dumps_row(row))
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path``, whole or not at all: a write that fails part
+    way (a full disk: ENOSPC, a file size limit: EFBIG) is cut back to the size the file had, so a
+    JSONL file never ends in half a row, and the error names the file."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------- new folders
