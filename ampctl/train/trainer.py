@@ -45,7 +45,7 @@ from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import extract_loss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
 from ampctl.protect.records import metrics_row, run_summary, write_config
-from ampctl.runlog import RunLayout, branch_event, prepare_resume
+from ampctl.runlog import RunLayout, as_number, branch_event, prepare_resume, read_jsonl
 from ampctl.runlog.layout import checkpoint_step
 from ampctl.train.builders import (
     BuildError,
@@ -656,6 +656,11 @@ class Trainer:
             branch = prepare_resume(layout, Path(ck["path"]), self.step)
             if branch is not None:
                 self.log.event(branch_event(layout, branch))
+            # the row at the checkpoint is the run's latest figures until a step logs a new one
+            # (a resume at the end, e.g. a run killed before its summary, writes it from this)
+            for row in read_jsonl(layout.metrics):
+                if as_number(row.get("step")) == self.step:
+                    self.last_metrics = row
 
     def _apply_scaler_overrides(self, ck: dict[str, Any]) -> None:
         """On resume the scaler's state (scale, trackers, counters) comes from the checkpoint,
