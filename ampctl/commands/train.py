@@ -235,8 +235,9 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
         )
     elif result.status == "failed" or summary.get("summary_error"):
         # the failure as written: install hints hold "[extra]"
+        what = "Training stopped" if result.status == "failed" else "Run folder incomplete"
         console.print(
-            f"[red]Training stopped:[/red] {escape(str(trainer.failure))}",
+            f"[red]{what}:[/red] {escape(str(trainer.failure))}",
             highlight=False,
             soft_wrap=True,
         )

@@ -346,8 +346,8 @@ class Trainer:
             if code == 0:  # trained to the end, but the run folder lacks its summary
                 code = 1
                 self.failure = (
-                    f"{err}; the last checkpoint is written: free space, then write it with "
-                    f"ampctl train --resume {self.run_dir}"
+                    f"{err}; the last checkpoint is written: ampctl train --resume "
+                    f"{self.run_dir} writes the summary once there is room"
                 )
         if close_log:
             self.log.close(status)

@@ -84,17 +84,55 @@ def _tiny_run(runs, name, *extra):
     return runs / name
 
 
+PLANTED = "model._target_=tests.commands.sweep.planted.Planted"
+
+
 def test_a_resume_while_the_run_is_live_is_refused(tmp_path):
-    run = _tiny_run(tmp_path / "runs", "x")
-    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    with lock_run(run):  # this process owns the folder, as the live run does
-        out = ampctl("train", "--resume", str(run), "trainer.max_steps=8", "--quiet")
-    assert out.returncode == 2
-    line = f"ampctl: error: run folder {run} is in use by pid {os.getpid()} on host "
+    runs, hold = tmp_path / "runs", tmp_path / "hold"
+    hold.touch()  # the planted model sleeps 1 s a forward from step 5 while this file exists
+    run = runs / "x"
+    live = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ampctl",
+            "train",
+            *TINY,
+            PLANTED,
+            f"+model.hold_file={hold}",
+            "+model.role=hold",
+            f"trainer.runs_dir={runs}",
+            "trainer.max_steps=100",
+            "trainer.log_every=2",
+            "trainer.ckpt_every=4",
+            "--name",
+            "x",
+            "--quiet",
+        ],  # fmt: skip
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 240
+        while not (run / "checkpoints" / "step_00000004.pt").exists() and time.time() < deadline:
+            assert live.poll() is None, live.communicate()
+            time.sleep(0.02)
+        rows_before = (run / "metrics.jsonl").read_bytes()
+        # the same model override: the resume may build it (it never gets that far)
+        out = ampctl("train", "--resume", str(run), PLANTED, "--quiet")
+    finally:
+        hold.unlink()  # the live run may finish now
+    live_out, live_err = live.communicate(timeout=240)
+    assert out.returncode == 2, out.stdout + out.stderr
+    line = f"ampctl: error: run folder {run} is in use by pid {live.pid} on host "
     assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
     assert "Traceback" not in out.stderr + out.stdout
-    after = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    assert after == before  # nothing written, nothing trimmed
+    assert (run / "metrics.jsonl").read_bytes().startswith(rows_before)  # not trimmed
+    assert live.returncode == 0, live_out + live_err  # the live run went on, undisturbed
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == list(range(2, 101, 2))
+    assert rows(run / "events.jsonl") == []
 
 
 def _dead_pid() -> int:
