@@ -18,10 +18,11 @@ GRID = "scaler.init_scale=1024,4096"
 FIRST, SECOND = "init_scale=1024", "init_scale=4096"
 
 
-def _args(runs: Path, name: str) -> list[str]:
+def _args(runs: Path, name: str, jobs: int = 1) -> list[str]:
+    """One thread per trial: --jobs 1 and --jobs 2 then give bit-identical losses."""
     return [
         "sweep-scale", *TINY, GRID, "trainer.log_every=4", "trainer.ckpt_every=4",
-        f"trainer.runs_dir={runs}", "--steps", "48", "--no-baseline", "--jobs", "1",
+        f"trainer.runs_dir={runs}", "--steps", "48", "--no-baseline", "--jobs", str(jobs),
         "--cpus-per-trial", "1", "--name", name, "--plain",
     ]  # fmt: skip
 
@@ -95,6 +96,6 @@ def test_a_killed_sweep_continues_where_it_was(tmp_path):
     assert not list(sdir.glob("*.incomplete-*"))  # nothing run again from scratch
     assert {p: p.read_bytes() for p in first_files} == first_files  # the finished one untouched
 
-    ref = ampctl_here(*_args(runs, "ref"))  # an uninterrupted sweep
+    ref = ampctl_here(*_args(runs, "ref", jobs=2))  # an uninterrupted sweep (both at once)
     assert ref.exit_code == 0, ref.output
     assert _outcome(sdir) == _outcome(runs / "ref")
