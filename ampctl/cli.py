@@ -1,6 +1,7 @@
 """ampctl's command line: parse, load config, call a task, map the outcome to an exit code.
 
-Exit codes: 0 ok; 1 the run failed (guard abort, diagnosis found problems); 2 bad input
+Exit codes: 0 ok; 1 the run failed (guard abort, diagnosis found problems, a write that failed:
+a full disk); 2 bad input
 (one line on stderr, no traceback unless --debug); 130/143 interrupted (a checkpoint was
 written; the message says how to resume).
 """
@@ -140,6 +141,10 @@ def train(
         )
     except _input_errors() as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except OSError as e:  # a write outside the loop (config.yaml, a resume's trim): exit 1
+        from ampctl.commands.train import write_failure
+
+        _fail(write_failure(e), 1)
     raise typer.Exit(code)
 
 

@@ -115,6 +115,11 @@ def write_file(path: str | Path, mode: str = "wb", *, replace: bool = True) -> I
                 ) from None
             os.unlink(tmp)
         fsync_dir(path.parent)
+    except OSError as e:  # the file it was for, not the temp file, in the message
+        _unlink_quietly(tmp)
+        if isinstance(e, WriteRefused) or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -202,9 +207,9 @@ def append_line(path: str | Path, line: str | bytes) -> None:
         before = os.fstat(fd).st_size
         try:
             n = os.write(fd, data)
-        except OSError:
+        except OSError as e:  # a full disk (ENOSPC), a file size limit (EFBIG): named by file
             _truncate_quietly(fd, before)
-            raise
+            raise OSError(e.errno, e.strerror, str(p)) from None
         if n != len(data):
             _truncate_quietly(fd, before)
             raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)", str(p))

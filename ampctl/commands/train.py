@@ -16,8 +16,20 @@ from rich.markup import escape
 
 from ampctl.config import ConfigError, config_from_saved, load_config, split_overrides, to_yaml
 from ampctl.runlog import RunLayout, fork_event, fork_into
+from ampctl.runlog.lock import LOCK_NAME, RunLock, lock_run
 
-__all__ = ["run_train", "resume_config"]
+__all__ = ["run_train", "resume_config", "write_failure"]
+
+
+def write_failure(e: OSError) -> str:
+    """One line for a write that failed (a full disk, a file size limit, a read-only folder):
+    the file and the cause, e.g. ``could not write runs/x/metrics.jsonl: No space left on
+    device``."""
+    cause = e.strerror or str(e) or type(e).__name__
+    name = getattr(e, "filename", None)
+    if name:
+        return f"could not write {name}: {cause}"
+    return f"a write failed: {cause}"
 
 
 def resume_config(ckpt: dict, overrides: list[str], trust_code: bool = False, *, fork: bool = True):
@@ -101,17 +113,16 @@ def run_train(
     mode: str = "auto",
     console: Console | None = None,
 ) -> int:
-    from ampctl.protect.records import write_config
     from ampctl.runlog.writers import check_run_writable, new_run_dir
-    from ampctl.train.checkpoint import load_checkpoint
+    from ampctl.train.checkpoint import load_resumable, resume_line
     from ampctl.train.dist import init_distributed
-    from ampctl.train.trainer import Trainer
-    from ampctl.ui.display import Display
 
     console = console or Console()
     ck = None
     if resume is not None:
-        ck = load_checkpoint(resume)
+        ck, passed = load_resumable(resume)
+        if passed:
+            console.print(resume_line(ck, passed), markup=False, highlight=False, soft_wrap=True)
         preset, rest = split_overrides(overrides)
         if preset != "config":
             raise ConfigError(
@@ -135,6 +146,29 @@ def run_train(
     if run_dir is None and ctx.is_main:
         run_dir = new_run_dir(cfg.trainer.runs_dir, name or cfg.name, preset)
     run_dir = ctx.broadcast_object(run_dir)
+    lock = _own(run_dir, console) if ctx.is_main else None
+    try:
+        return _train_in(cfg, run_dir, ck, fork, ctx, mode, console, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _own(run_dir: Path, console: Console) -> RunLock:
+    """The run folder's lock (:mod:`ampctl.runlog.lock`): a second process on the same folder
+    (a resume while the run is live, two resumes at once) is refused before it writes anything
+    (and a refused process removes nothing: the folder is the other one's)."""
+    lock = lock_run(run_dir, hint=f", then continue it with ampctl train --resume {run_dir}")
+    if lock.took_over is not None:
+        console.print(lock.message(), markup=False, highlight=False, soft_wrap=True)
+    return lock
+
+
+def _train_in(cfg, run_dir: Path, ck, fork: bool, ctx, mode: str, console, lock) -> int:
+    from ampctl.protect.records import write_config
+    from ampctl.train.trainer import Trainer
+    from ampctl.ui.display import Display
+
     display = Display(
         cfg.trainer.max_steps,
         mode=mode if ctx.is_main else "quiet",
@@ -150,13 +184,19 @@ def run_train(
         )
     except BaseException:
         if ctx.is_main and (ck is None or fork):
+            if lock is not None:
+                lock.release()
             _remove_new_run(run_dir)  # nothing was trained: leave no half-made run behind
         raise
     if fork:
         trainer.log.event(fork_event(parent, Path(ck["path"]), ck["step"]))
     if not ctx.is_main:
         return trainer.run().exit_code
-    write_config(run_dir, cfg.to_dict())
+    try:
+        write_config(run_dir, cfg.to_dict())
+    except OSError as e:
+        trainer.log.close("failed")
+        raise OSError(e.errno, e.strerror, str(RunLayout(run_dir).config)) from None
     with display:
         result = trainer.run(close_log=False)  # the sinks stay open for the plot
     try:
@@ -168,7 +208,7 @@ def run_train(
 
 def _remove_new_run(run_dir: Path) -> None:
     lay = RunLayout(run_dir)
-    for p in (lay.parent, lay.metrics, lay.events):
+    for p in (lay.parent, lay.metrics, lay.events, lay.root / LOCK_NAME):
         p.unlink(missing_ok=True)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
@@ -210,9 +250,11 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
             highlight=False,
             soft_wrap=True,
         )
-    elif result.status == "failed":  # the failure as written: install hints hold "[extra]"
+    elif result.status == "failed" or summary.get("summary_error"):
+        # the failure as written: install hints hold "[extra]"
+        what = "Training stopped" if result.status == "failed" else "Run folder incomplete"
         console.print(
-            f"[red]Training stopped:[/red] {escape(str(trainer.failure))}",
+            f"[red]{what}:[/red] {escape(str(trainer.failure))}",
             highlight=False,
             soft_wrap=True,
         )

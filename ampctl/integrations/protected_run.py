@@ -63,6 +63,7 @@ from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiv
 from ampctl.protect.records import metrics_row, run_summary, write_config
 from ampctl.protect.settings import GuardConfig, LoggingConfig
 from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
+from ampctl.runlog.lock import RunLock, lock_run
 
 from .common import (
     IntegrationError,
@@ -228,6 +229,7 @@ class ProtectedRun:
         self._wall_before = 0.0
         self._resumed_from: str | Path | None = None
         self._exit_hooks: Any = None
+        self._lock: RunLock | None = None  # the run folder's, from start() to finish()
         self._t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ views
@@ -313,18 +315,14 @@ class ProtectedRun:
         resumed = step > 0 or resumed_from is not None
         layout = RunLayout(self.run_dir)
         if self.is_main:
-            if not resumed and is_run_dir(self.run_dir):
-                raise IntegrationError(
-                    f"run_dir {str(self.run_dir)!r} holds a run already: pick another run_dir "
-                    "(ampctl never mixes two runs in one folder), or resume it: "
-                    "start(step=N) / attach(step=N), or after_step(step=N+1) on the first step, "
-                    "with the loop's step"
-                )
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if resumed:
-                prepare_resume(layout, Path(resumed_from or self.run_dir), step)
-            if not layout.config.is_file():
-                write_config(self.run_dir, self._config())
+            # one owner per folder: a second ProtectedRun (this process or another) is refused
+            self._lock = lock_run(self.run_dir, hint=" (one ProtectedRun per run_dir)")
+            try:
+                self._open_folder(layout, step, resumed, resumed_from)
+            except BaseException:
+                self._release()
+                raise
         restored = resumed and self._restore_scaler(layout, step)
         self.display = self._make_display()
         self.log = RunLogger(
@@ -353,6 +351,32 @@ class ProtectedRun:
         self.window = LogWindow(first_update=self.scaler.num_updates - self._updates_taken())
         self.protection.start(step)
         self._started = True
+
+    def _open_folder(
+        self, layout: RunLayout, step: int, resumed: bool, resumed_from: str | Path | None
+    ) -> None:
+        """The main rank's first writes to the run folder (it holds the folder's lock)."""
+        if self._lock is not None and self._lock.took_over is not None:
+            self._early_events.append(
+                {"step": step, "kind": "warning", "message": self._lock.message()}
+            )
+        if not resumed and is_run_dir(self.run_dir):
+            raise IntegrationError(
+                f"run_dir {str(self.run_dir)!r} holds a run already: pick another run_dir "
+                "(ampctl never mixes two runs in one folder), or resume it: "
+                "start(step=N) / attach(step=N), or after_step(step=N+1) on the first step, "
+                "with the loop's step"
+            )
+        if resumed:
+            prepare_resume(layout, Path(resumed_from or self.run_dir), step)
+        if not layout.config.is_file():
+            write_config(self.run_dir, self._config())
+
+    def _release(self) -> None:
+        """Let the run folder go (the end of the run, or a start that failed)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _updates_taken(self) -> int:
         """Updates of this run the scaler recorded before :meth:`start` ran (0, or 1 when the
@@ -617,6 +641,7 @@ class ProtectedRun:
             self._exit_hooks.remove()
             self._exit_hooks = None
         if not self._started:  # nothing ran (or start() refused the folder): nothing to write
+            self._release()
             self.summary = {"status": status or self.status or "failed", "steps": self._step}
             return self.summary
         status = status or self.status or "ok"
@@ -646,6 +671,7 @@ class ProtectedRun:
         if self._plot and self.is_main:
             self._send_plot()
         self.log.close(status)
+        self._release()
         if self.display is not None and callable(getattr(self.display, "summary", None)):
             self.display.summary(summary)
         if self._own_display and self.display is not None:

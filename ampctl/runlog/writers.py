@@ -23,6 +23,7 @@ from .layout import RunLayout
 __all__ = [
     "RunExistsError",
     "RunWriter",
+    "append_line",
     "atomic_write_text",
     "check_run_writable",
     "default_run_name",

@@ -23,8 +23,11 @@ from ampctl.trust_paths import check_folder_inside
 
 __all__ = [
     "CheckpointError",
+    "CheckpointUnreadable",
     "CheckpointWriteError",
     "FORMAT",
+    "load_resumable",
+    "resume_line",
     "save_checkpoint",
     "load_checkpoint",
     "list_checkpoints",
@@ -39,6 +42,11 @@ FORMAT = "ampctl-checkpoint/1"
 
 class CheckpointError(UsageError):
     """A checkpoint that is missing, truncated, not ours, or carries code."""
+
+
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint file that cannot be read back (empty, truncated, corrupt): a resume from its
+    run folder passes over it to an older one (:func:`load_resumable`)."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -104,7 +112,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """Load a checkpoint with ``weights_only=True``; refuse anything that is not one of ours."""
     p = resolve_checkpoint(path)
     if p.stat().st_size == 0:
-        raise CheckpointError(f"{str(p)!r} is empty (0 bytes): not a checkpoint")
+        raise CheckpointUnreadable(f"{str(p)!r} is empty (0 bytes): not a checkpoint")
     from ampctl.trust import check_memory, human_size, torch_file_sizes
 
     total, _ = torch_file_sizes(p)  # sizes from the archive's directory, before allocating
@@ -119,7 +127,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                 f"{str(p)!r} was refused: it holds pickled objects beyond tensors and plain containers "
                 f"(code could run on load); ampctl loads checkpoints with weights_only=True only"
             ) from None
-        raise CheckpointError(
+        raise CheckpointUnreadable(
             f"{str(p)!r} is not a readable checkpoint (truncated or corrupt?): "
             + (
                 "not data that torch.load(weights_only=True) accepts"
@@ -131,6 +139,46 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{str(p)!r} is not an ampctl checkpoint (no '{FORMAT}' format tag)")
     obj["path"] = str(p)
     return obj
+
+
+def load_resumable(
+    path: str | Path, map_location: str | torch.device = "cpu"
+) -> tuple[dict[str, Any], list[tuple[Path, str]]]:
+    """What ``--resume PATH`` continues from: for a checkpoint file, that file
+    (:func:`load_checkpoint`); for a run folder, its newest checkpoint that loads. A newer one
+    that cannot be read back (:class:`CheckpointUnreadable`: cut short when the machine died
+    during a copy, zeroed, corrupt) is passed over, newest first; a checkpoint refused for what
+    it holds (code, not ampctl's) is not passed over: that is an error, as for a file named
+    alone. Returns the checkpoint and the ``(path, reason)`` of each one passed over (the resume
+    then sets them aside with the later history, :func:`ampctl.runlog.prepare_resume`)."""
+    p = Path(path)
+    if not p.is_dir():
+        return load_checkpoint(p, map_location), []
+    folder = RunLayout(p).checkpoints_dir
+    ckpts = list_checkpoints(folder) or list_checkpoints(p)
+    passed: list[tuple[Path, str]] = []
+    for c in reversed(ckpts):
+        try:
+            return load_checkpoint(c, map_location), passed
+        except CheckpointUnreadable as e:
+            passed.append((c, str(e)))
+    if passed:
+        newest, why = passed[0]
+        raise CheckpointUnreadable(
+            f"{str(path)!r}: none of its {len(passed)} checkpoint(s) can be read back (the newest, "
+            f"{newest.name}: {why})"
+        )
+    return load_checkpoint(p, map_location), []  # no checkpoint: the one-line error says so
+
+
+def resume_line(ck: dict[str, Any], passed: list[tuple[Path, str]]) -> str:
+    """One line saying which checkpoint a resume took and why not the newer ones."""
+    names = ", ".join(p.name for p, _ in passed)
+    why = passed[0][1]
+    return (
+        f"resuming from {Path(ck['path']).name} (step {ck['step']}), the newest checkpoint that "
+        f"loads: {names} passed over ({why}); the resume sets it aside in branches/"
+    )
 
 
 def rng_state() -> dict[str, Any]:

@@ -25,6 +25,7 @@ path reads once more (attribution); clean steps pay nothing more.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import signal
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import extract_loss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
 from ampctl.protect.records import metrics_row, run_summary, write_config
-from ampctl.runlog import RunLayout, branch_event, prepare_resume
+from ampctl.runlog import RunLayout, as_number, branch_event, prepare_resume, read_jsonl
 from ampctl.runlog.layout import checkpoint_step
 from ampctl.train.builders import (
     BuildError,
@@ -330,8 +331,10 @@ class Trainer:
                     self.diverged_since = e.since
                 self._save_after_abort()
             except CheckpointWriteError as e:
-                self.failure = str(e)
-                self.log.event({"step": self.step, "kind": "error", "message": str(e)})
+                self._fail(str(e))
+                status, code = "failed", 1
+            except OSError as e:  # a metrics row or an event not written (a full disk ...)
+                self._fail(_write_failure(e, self.step))
                 status, code = "failed", 1
             except BaseException as e:
                 self.log.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
@@ -340,6 +343,12 @@ class Trainer:
         err = self.log.summary(summary)
         if err:
             summary["summary_error"] = err
+            if code == 0:  # trained to the end, but the run folder lacks its summary
+                code = 1
+                self.failure = (
+                    f"{err}; the last checkpoint is written: ampctl train --resume "
+                    f"{self.run_dir} writes the summary once there is room"
+                )
         if close_log:
             self.log.close(status)
         return TrainResult(summary=summary, run_dir=self.run_dir, status=status, exit_code=code)
@@ -586,8 +595,16 @@ class Trainer:
         try:
             self.save()  # skipped steps never touched the weights: keep them for diagnose
         except CheckpointWriteError as e:
-            self.failure = str(e)
-            self.log.event({"step": self.step, "kind": "error", "message": str(e)})
+            self._fail(str(e))
+
+    def _fail(self, message: str) -> None:
+        """The run stops on a failed write: the reason, and an ``error`` event when events.jsonl
+        still takes one (on a full disk it may not: the reason is printed all the same)."""
+        self.failure = message
+        try:
+            self.log.event({"step": self.step, "kind": "error", "message": message})
+        except OSError:
+            pass
 
     def _interrupt(self, ckpt: Path | None) -> tuple[str, int]:
         ckpt = ckpt or self.save()
@@ -639,6 +656,11 @@ class Trainer:
             branch = prepare_resume(layout, Path(ck["path"]), self.step)
             if branch is not None:
                 self.log.event(branch_event(layout, branch))
+            # the row at the checkpoint is the run's latest figures until a step logs a new one
+            # (a resume at the end, e.g. a run killed before its summary, writes it from this)
+            for row in read_jsonl(layout.metrics):
+                if as_number(row.get("step")) == self.step:
+                    self.last_metrics = row
 
     def _apply_scaler_overrides(self, ck: dict[str, Any]) -> None:
         """On resume the scaler's state (scale, trackers, counters) comes from the checkpoint,
@@ -694,6 +716,21 @@ class Trainer:
             summary["diverged_since"] = self.diverged_since
             summary["last_good_checkpoint"] = str(good[-1]) if good else None
         return summary
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def _write_failure(e: OSError, step: int) -> str:
+    """One line for a failed write: the file, the cause, and what is kept."""
+    cause = e.strerror or str(e) or type(e).__name__
+    if e.errno not in _WRITE_ERRNOS:
+        return f"{e.filename or 'an I/O call'} at step {step}: {cause}"
+    what = f"could not write {e.filename}" if e.filename else "a write failed"
+    return (
+        f"{what} at step {step}: {cause}; every file written before is whole (free space, then "
+        "resume from the last checkpoint)"
+    )
 
 
 class _Signals:

@@ -212,3 +212,11 @@ class MlflowSink:
             if self.owned:
                 self.client.set_terminated(self.run_id, _STATUS.get(status, "FAILED"))
                 self.owned = False  # closed: a second close terminates nothing
+
+    def abandon(self) -> None:
+        """After a call failed: write nothing more. A store that refused once (its SQLite file
+        locked by another process makes every call wait MLflow's 20 s ``busy_timeout`` first, a
+        server that is down its retries) would stall training again on each call; the MLflow
+        run stays as the failure left it, its figures up to there kept."""
+        self._events = []
+        self.owned = False

@@ -54,7 +54,9 @@ class Sink(Protocol):
 
     def close(self, status: str) -> None:
         """End the sink; ``status`` is the run's (``ok``, ``aborted``, ``interrupted``,
-        ``failed``). A run the sink joined (an active MLflow / W&B run) is left open."""
+        ``failed``). A run the sink joined (an active MLflow / W&B run) is left open. A sink
+        that failed is dropped with ``abandon()`` when it has one (nothing more is written to
+        a store that just refused), else with ``close("failed")``."""
 
 
 def install_hint(key: str, missing: str | None = None) -> str:
@@ -173,8 +175,9 @@ class Sinks:
 
     def _drop(self, sink: Sink, method: str, e: Exception) -> None:
         self.sinks.remove(sink)
+        abandon = getattr(sink, "abandon", None)  # a sink whose store failed: no more writes
         try:
-            sink.close("failed")
+            abandon() if callable(abandon) else sink.close("failed")
         except Exception:
             pass  # it has failed once already: one warning is enough
         self.warn(

@@ -83,10 +83,21 @@ class WandbSink:
                 settings=settings,
             )
             self.owned = True
+        # where the owned run keeps its record; W&B's writer process raises nothing when that
+        # folder is removed under it, so the sink looks before each row (one stat)
+        self._record = Path(self.run.settings.sync_dir) if self.owned else None
         self.run.define_metric("ampctl/step")
         self.run.define_metric("ampctl/*", step_metric="ampctl/step")
 
+    def _check_record(self) -> None:
+        if self._record is not None and not self._record.is_dir():
+            raise FileNotFoundError(
+                f"the W&B run folder {self._record} was removed during the run; its record from "
+                "there on is lost"
+            )
+
     def metrics(self, row: Mapping[str, Any]) -> None:
+        self._check_record()
         data: dict[str, Any] = {"ampctl/step": int(row["step"])}
         data.update((f"ampctl/{k}", v) for k, v in numeric_items(row))
         data.update((f"ampctl/{k}", v) for k, v in text_items(row))

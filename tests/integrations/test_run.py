@@ -243,6 +243,7 @@ def test_resume_continues_the_run_folder_and_the_guard(tmp_path):
     }
     _loop(run, model, opt, scaler, range(5, 7), data=data)  # logged, then "crashed"
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [2, 4, 6]
+    run._release()  # the crash: the kernel drops a dead process's lock on the run folder
 
     model2, opt2, scaler2, run2 = _new(tmp_path, max_steps=8)
     model2.load_state_dict(ckpt["model"])

@@ -31,6 +31,8 @@ from rich.console import Console
 from ampctl.config import ConfigError
 from ampctl.files import open_append, touch
 from ampctl.runlog import RunLayout, as_number, atomic_write_text, read_json
+from ampctl.runlog.layout import checkpoint_step
+from ampctl.runlog.lock import LOCK_NAME, lock_run
 from ampctl.trust import find_targets, is_shipped_target
 
 from .launchers import KILL_GRACE_S, Launcher, LauncherOptions, Outcome, TrialJob, make_launcher
@@ -271,13 +273,26 @@ class SweepRun:
                 args += ["--config-dir", str(plan.config_dir)]
         return ["-m", "ampctl", "train", *args, "--quiet"]
 
+    def resumable(self, t: Trial, lay: RunLayout) -> tuple[bool, int]:
+        """Whether a trial folder continues from its newest checkpoint, and from which step: one
+        that ended between rungs or by a signal (it wrote its summary), or one killed with no
+        time to write anything more (SIGKILL, a node lost: a checkpoint but no summary) whose
+        ``config.yaml`` is the one this sweep validated. Others start again from scratch."""
+        latest = lay.latest_checkpoint() if lay.root.is_dir() else None
+        if latest is None:
+            return False, 0
+        if lay.summary.is_file():
+            return True, int(as_number((read_json(lay.summary) or {}).get("steps")) or 0)
+        ignore = ("trainer.runs_dir", "trainer.stop_at")
+        if not lay.config.is_file() or config_diff(lay.config, t.cfg, ignore=ignore) is not None:
+            return False, 0
+        return True, checkpoint_step(latest) or 0
+
     def launch(self, t: Trial, k: int, budget: int, threads: int) -> None:
         run_dir = self.plan.sweep_dir / t.name
         lay = RunLayout(run_dir)
-        resume = run_dir.is_dir() and lay.summary.is_file() and lay.latest_checkpoint() is not None
-        start = 0
+        resume, start = self.resumable(t, lay)
         if resume:
-            start = int(as_number((read_json(lay.summary) or {}).get("steps")) or 0)
             self.result.resumed.append(t.name)
         elif run_dir.exists():
             self.result.moved_aside.append(_move_aside(run_dir).name)
@@ -539,7 +554,7 @@ def _mark(row: dict[str, Any], status: str, reason: str) -> None:
 def _check_folder(plan: SweepPlan, budgets: list[int]) -> bool:
     """Refuse to resume a folder that is not this sweep's; returns whether it exists."""
     sdir = plan.sweep_dir
-    if not sdir.exists():
+    if not sdir.exists() or {p.name for p in sdir.iterdir()} <= {LOCK_NAME}:
         return False
     meta = read_json(sdir / "sweep.json")
     if meta is None:
@@ -644,8 +659,8 @@ def sweep(
     """Plan, validate and run a sweep; returns its :class:`SweepResult` (results files written).
 
     ``name`` of an existing sweep folder resumes it: trials that finished (ok, or diverged) are
-    kept, trials with a summary and a checkpoint (interrupted, or between rungs) continue from
-    their newest checkpoint, other trial folders are renamed ``<trial>.incomplete-N`` and run
+    kept, trials with a checkpoint (interrupted, between rungs, or killed: SIGKILL to the
+    sweep's process group) continue from their newest checkpoint that loads, other trial folders are renamed ``<trial>.incomplete-N`` and run
     again. ``jobs``: trials in flight (default 1 locally, all with ray/slurm). ``threads`` per
     trial defaults to the launcher's share. ``on_result(row)`` is called after each finished
     trial process (a KeyboardInterrupt raised there acts like Ctrl-C). A KeyboardInterrupt (or
@@ -668,9 +683,43 @@ def sweep(
         config_dir=config_dir,
         halving=halving,
     )
+    existed = plan.sweep_dir.exists()
+    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_run(
+        plan.sweep_dir, what="sweep folder", hint=", then run the same command again to resume it"
+    )
+    try:
+        return _sweep_locked(
+            plan,
+            lock,
+            opts,
+            overrides,
+            jobs,
+            threads,
+            diverge_gap,
+            stop_gap,
+            console,
+            mode,
+            on_result,
+        )
+    except BaseException:
+        if not existed:  # refused before it began: leave no empty folder behind
+            lock.release()
+            try:
+                plan.sweep_dir.rmdir()
+            except OSError:
+                pass
+        raise
+    finally:
+        lock.release()
+
+
+def _sweep_locked(
+    plan, lock, opts, overrides, jobs, threads, diverge_gap, stop_gap, console, mode, on_result
+) -> SweepResult:
+    """:func:`sweep` once the sweep folder is this process's (:func:`lock_run`)."""
     resuming = _check_folder(plan, plan.budgets)
     backend = make_launcher(opts, plan.sweep_dir)
-    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
     _write_meta(plan, overrides, opts.launcher)
     view = View(plan, console, mode)
     run = SweepRun(
@@ -684,6 +733,8 @@ def sweep(
         on_result=on_result,
     )
     view.say(_intro(run, jobs))
+    if lock.took_over is not None:
+        view.say(lock.message())
     old_term = None
     if threading.current_thread() is threading.main_thread():
 

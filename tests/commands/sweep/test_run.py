@@ -145,10 +145,10 @@ def test_resume_runs_nothing_again_and_reruns_a_trial_without_summary(grid):
 
     victim = "init_scale=1024,growth_interval=2"
     old = json.loads((sdir / victim / "summary.json").read_text())
-    (sdir / victim / "summary.json").unlink()  # as if killed before the end
+    (sdir / victim / "summary.json").unlink()  # as if killed after its last checkpoint
     third, out = run_sweep_here(runs, *GRID, jobs=1, name="g")
-    assert third.launched == [victim] and third.moved_aside == [f"{victim}.incomplete-1"]
-    assert (sdir / f"{victim}.incomplete-1" / "metrics.jsonl").is_file()  # moved aside, kept
+    # continued from its checkpoint (tests/faults/test_sweep_kill.py: killed part way)
+    assert third.launched == third.resumed == [victim] and third.moved_aside == []
     new = json.loads((sdir / victim / "summary.json").read_text())
     assert (new["final_loss"], new["skipped"]) == (old["final_loss"], old["skipped"])  # -j1 == 2
     assert all(
