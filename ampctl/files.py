@@ -197,7 +197,8 @@ def touch(path: str | Path) -> None:
 def append_line(path: str | Path, line: str | bytes) -> None:
     """Append one line (a newline is added when missing) to ``path``, created when missing.
     Refuses a symlink or a non-regular file (:class:`WriteRefused`). The line goes in one
-    ``os.write``; a short or failed write is cut back to the previous size (no half line)."""
+    ``os.write`` (continued after a short one); a failed write is cut back to the previous size
+    (no half line) and raises the ``OSError`` naming ``path``."""
     p = Path(path)
     data = line.encode("utf-8") if isinstance(line, str) else bytes(line)
     if not data.endswith(b"\n"):
@@ -205,14 +206,16 @@ def append_line(path: str | Path, line: str | bytes) -> None:
     fd = _open_append_fd(p)
     try:
         before = os.fstat(fd).st_size
-        try:
-            n = os.write(fd, data)
+        view = memoryview(data)
+        try:  # a short write is continued: the next write says why it stopped (EFBIG, ENOSPC)
+            while view:
+                n = os.write(fd, view)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "short write", str(p))
+                view = view[n:]
         except OSError as e:  # a full disk (ENOSPC), a file size limit (EFBIG): named by file
-            _truncate_quietly(fd, before)
+            _truncate_quietly(fd, before)  # no half line is left behind
             raise OSError(e.errno, e.strerror, str(p)) from None
-        if n != len(data):
-            _truncate_quietly(fd, before)
-            raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)", str(p))
     finally:
         os.close(fd)
 

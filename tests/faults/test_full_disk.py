@@ -113,8 +113,8 @@ def test_an_append_is_a_whole_line_or_nothing(tmp_path):
 
 
 def test_a_summary_that_cannot_be_written_is_exit_1_and_a_resume_writes_it(tmp_path):
-    """A real failing write without a size limit: the summary's temp file name is taken by a
-    folder (EISDIR), so the rename-into-place writer cannot create it."""
+    """A real failing write without a size limit: the summary's name is taken by a folder
+    (EISDIR), so the writer's rename onto it fails after its temp file was written."""
     runs = tmp_path / "runs"
     args = [*TINY, f"trainer.runs_dir={runs}", "trainer.max_steps=4", "trainer.log_every=2"]
     done = ampctl_here("train", *args, "trainer.ckpt_every=2", "--name", "s", "--quiet")
@@ -122,14 +122,15 @@ def test_a_summary_that_cannot_be_written_is_exit_1_and_a_resume_writes_it(tmp_p
     run = runs / "s"
     ok = json.loads((run / "summary.json").read_text())
     (run / "summary.json").unlink()
-    (run / ".summary.json.tmp").mkdir()
+    (run / "summary.json").mkdir()
     res = ampctl_here("train", "--resume", str(run), "--quiet")  # at the end: only the summary
     assert res.exit_code == 1, res.output
     (line,) = [x for x in res.output.splitlines() if x.startswith("Run folder incomplete: ")]
     assert "summary.json not written: Is a directory" in line
     assert f"ampctl train --resume {run} writes the summary" in line
-    assert not (run / "summary.json").exists()
-    (run / ".summary.json.tmp").rmdir()  # the folder can take it again
+    assert (run / "summary.json").is_dir() and not list((run / "summary.json").iterdir())
+    assert not [p for p in run.iterdir() if p.name.startswith(".summary.json")]  # no temp left
+    (run / "summary.json").rmdir()  # the folder can take it again
     again = ampctl_here("train", "--resume", str(run), "--quiet")
     assert again.exit_code == 0, again.output
     summary = json.loads((run / "summary.json").read_text())

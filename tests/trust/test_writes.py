@@ -119,10 +119,19 @@ def test_a_short_append_is_cut_back_so_no_half_line_stays(tmp_path, monkeypatch)
     log = tmp_path / "metrics.jsonl"
     files.append_line(log, '{"step": 1}')
     real = os.write
-    monkeypatch.setattr(files.os, "write", lambda fd, data: real(fd, data[:5]))
-    with pytest.raises(OSError, match="short write"):
+    calls = []
+
+    def disk_fills(fd, data):  # a disk that takes 5 bytes, then is full
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data[:5])
+
+    monkeypatch.setattr(files.os, "write", disk_fills)
+    with pytest.raises(OSError, match="No space left on device") as err:
         files.append_line(log, '{"step": 2, "loss": 1.5}')
     monkeypatch.undo()
+    assert err.value.filename == str(log) and len(calls) == 2  # the short write was continued
     assert log.read_bytes() == b'{"step": 1}\n'
 
 
