@@ -828,6 +828,12 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
         return self._last_loss
 
     @property
+    def step_under_way(self) -> bool:
+        """Whether a step has begun since the last ``update()``: ``scale()`` was given a loss
+        or an optimizer was unscaled, checked or stepped. No host read."""
+        return self._loss_sum is not None or bool(self._per_optimizer_states)
+
+    @property
     def last_skip_read(self) -> bool | None:
         """Whether the last recorded step was skipped, as ``step()`` read it on the host (no new
         read); None when ``step()`` made no read (fused optimizer) -- then use
