@@ -23,7 +23,9 @@ What it adds to GradScaler:
   loop reported. A skipped step whose loss was not finite is a *forward* overflow
   (``check_loss=True``, the default): counted, but the scale is not backed off at any hysteresis
   (a smaller scale cannot cure it; ampctl's guard locates the module); ``check_loss=False`` calls
-  every skip a gradient overflow and backs off, as GradScaler would. Counters -- skipped, forward overflows, spikes, overflows in a
+  every skip a gradient overflow and backs off, as GradScaler would. At hysteresis 1 under
+  ``torch.distributed`` (``reduce_flags`` set) the agreed skip backs off on every rank, as
+  GradScaler: one rank's loss says nothing of the others', and the ranks' scales must agree. Counters -- skipped, forward overflows, spikes, overflows in a
   row -- are reductions over the record, so a clean step pays no op for them.
 * With scaling disabled (``enabled=False``, for bf16 / fp32) non-finite gradients are still
   detected and the step skipped (``check_finite=True``), so a bf16 run never applies a NaN
@@ -672,10 +674,12 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
                 self._backoff_factor,
                 self._growth_interval,
             )
-            if self._check_loss and self._loss_sum is not None:
+            if self._check_loss and self._loss_sum is not None and self.reduce_flags is None:
                 # a forward overflow (the step's loss was NaN or +inf) keeps the scale it used
                 # (the record row's): a smaller scale cannot cure it. Two ops, no host read: one
-                # comparison (isfinite would be four) and one where.
+                # comparison (isfinite would be four) and one where. Not across ranks: the loss
+                # is this rank's own, and every rank must keep the same scale (the agreed flag
+                # backs off on all of them, as GradScaler).
                 row = t["history"][(self._num_updates - 1) % self._history_size]
                 below_inf = torch.lt(row[rec.LOSS], math.inf)
                 torch.where(below_inf, t["scale"], row[rec.SCALE], out=t["scale"])

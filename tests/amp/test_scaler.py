@@ -229,6 +229,20 @@ def test_a_forward_overflow_is_skipped_and_counted_and_keeps_the_scale(hysteresi
     assert scaler.forward_overflows == 1 and scaler.skipped_steps == 1 + hysteresis
 
 
+def test_across_ranks_a_forward_overflow_backs_off_on_every_rank_as_in_gradscaler():
+    """With reduce_flags (torch.distributed) the skip is agreed but the loss is this rank's: at
+    hysteresis 1 every rank backs off alike, so the ranks' scales stay equal."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=1024.0)
+    scaler.reduce_flags = lambda flag: flag  # one rank's view of an all-reduce MAX
+    x, y = _batches(1)[0]
+    scaler.scale(_loss(model, x, y) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 512.0 and scaler.forward_overflows == 1
+
+
 def test_a_forward_overflow_keeps_the_scale_within_the_bounds_and_then_grows_on_time():
     """Hysteresis 1: the forward overflow's scale is the one the step used (clamped as ever);
     the growth count restarts after it (a skipped step, as GradScaler counts it)."""
