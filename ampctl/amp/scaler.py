@@ -21,9 +21,11 @@ What it adds to GradScaler:
 * A record of every step on the device (:mod:`.records`): the scale used, whether it was
   skipped, the loss ``scale()`` saw (summed over the micro-batches) and the gradient norm the
   loop reported. A skipped step whose loss was not finite is a *forward* overflow
-  (``check_loss=True``, the default; a smaller scale cannot cure it, which is why ampctl's guard
-  puts the scale back and locates the module); ``check_loss=False`` calls every skip a gradient
-  overflow, as GradScaler would. Counters -- skipped, forward overflows, spikes, overflows in a
+  (``check_loss=True``, the default): counted, but the scale is not backed off at any hysteresis
+  (a smaller scale cannot cure it; ampctl's guard locates the module); ``check_loss=False`` calls
+  every skip a gradient overflow and backs off, as GradScaler would. At hysteresis 1 under
+  ``torch.distributed`` (``reduce_flags`` set) the agreed skip backs off on every rank, as
+  GradScaler: one rank's loss says nothing of the others', and the ranks' scales must agree. Counters -- skipped, forward overflows, spikes, overflows in a
   row -- are reductions over the record, so a clean step pays no op for them.
 * With scaling disabled (``enabled=False``, for bf16 / fp32) non-finite gradients are still
   detected and the step skipped (``check_finite=True``), so a bf16 run never applies a NaN
@@ -42,15 +44,20 @@ Bit for bit: with ``hysteresis=1`` the scale is updated by GradScaler's own fuse
 device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)`` (``hysteresis=1,
 min_scale=0, max_scale=inf, check_loss=False, check_finite=False``) gives GradScaler's scale
 trajectory, skipped steps and weights bit for bit, and any LossScaler with ``hysteresis=1`` does so
-while the scale stays within [min_scale, max_scale] and, when disabled, no gradient is non-finite
-(or ``check_finite=False``). One deliberate difference remains: GradScaler grows only when its
+while the scale stays within [min_scale, max_scale], no step's loss is NaN or +inf (a forward
+overflow keeps the scale; or ``check_loss=False``) and, when disabled, no gradient is non-finite
+(or ``check_finite=False``). At hysteresis 1 a loss of -inf (not an overflow of a loss that is
+bounded below) is told apart from a gradient overflow only in the record, not by the scale
+rule: the rule's test is one comparison, ``loss < inf``. One deliberate difference remains: GradScaler grows only when its
 growth tracker *equals* ``growth_interval``, so after the interval is lowered below the tracker
 it never grows again until an overflow; LossScaler clamps the tracker when the interval is
 lowered and grows at the next clean step.
 
-Cost per step, counted in device ops (kernel launches on a GPU) by ``tests/amp/test_cost.py``:
-GradScaler's, plus one copy for the record row and one clamp for the bounds (none without
-bounds); the skip flag ``step`` reads is GradScaler's found-inf flag as it is. ``hysteresis > 1``
+Cost per step, counted in device ops (kernel launches on a GPU) by ``tests/protect/test_cost.py``:
+GradScaler's, plus one copy for the record row, one clamp for the bounds (none without bounds)
+and, with ``check_loss``, a comparison and a ``where`` that keep the scale on a forward overflow
+(GradScaler's + 2 for the default scaler, one op fewer than GradScaler for
+``like_gradscaler``); the skip flag ``step`` reads is GradScaler's found-inf flag as it is. ``hysteresis > 1``
 runs the rule of :func:`~.scale_rule.next_scale` instead (about 25 ops). Host reads: ``step``
 reads the flag once per step (to decide whether to call ``optimizer.step()``); with an optimizer
 that handles scaling itself (``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) it reads
@@ -650,10 +657,13 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
         self._folded = self._num_updates
 
     def _update_scale(self, t: dict[str, torch.Tensor]) -> None:
-        """The scale rule. ``hysteresis=1``: GradScaler's fused kernel, then the bounds (one
-        clamp; none without bounds): every skipped step backs off, as in GradScaler. Otherwise
-        :func:`~.scale_rule.next_scale`, which keeps the scale on a forward overflow or a spike
-        (read from the step's record). No host read."""
+        """The scale rule. ``hysteresis=1``: GradScaler's fused kernel, then (``check_loss``) the
+        scale the step used is put back when its loss was NaN or +inf (a forward overflow: two
+        ops, a comparison and a ``where``), then the bounds (one clamp; none without bounds): every other skipped
+        step backs off, as in GradScaler; the growth tracker restarts after any skipped step, as
+        GradScaler's. Otherwise :func:`~.scale_rule.next_scale`, which keeps the scale and both
+        trackers on a forward overflow or a spike (read from the step's record). No host
+        read."""
         found = t["found"]
         if self._hysteresis == 1:
             torch._amp_update_scale_(
@@ -664,6 +674,15 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
                 self._backoff_factor,
                 self._growth_interval,
             )
+            if self._check_loss and self._loss_sum is not None and self.reduce_flags is None:
+                # a forward overflow (the step's loss was NaN or +inf) keeps the scale it used
+                # (the record row's): a smaller scale cannot cure it. Two ops, no host read: one
+                # comparison (isfinite would be four) and one where. Not across ranks: the loss
+                # is this rank's own, and every rank must keep the same scale (the agreed flag
+                # backs off on all of them, as GradScaler).
+                row = t["history"][(self._num_updates - 1) % self._history_size]
+                below_inf = torch.lt(row[rec.LOSS], math.inf)
+                torch.where(below_inf, t["scale"], row[rec.SCALE], out=t["scale"])
             if self._min_scale > 0 or self._max_scale < math.inf:
                 t["scale"].clamp_(self._min_scale, self._max_scale)
             return
@@ -811,6 +830,12 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
         as a device tensor; None before the first step or when ``scale()`` got no tensor. No
         host read."""
         return self._last_loss
+
+    @property
+    def step_under_way(self) -> bool:
+        """Whether a step has begun since the last ``update()``: ``scale()`` was given a loss
+        or an optimizer was unscaled, checked or stepped. No host read."""
+        return self._loss_sum is not None or bool(self._per_optimizer_states)
 
     @property
     def last_skip_read(self) -> bool | None:

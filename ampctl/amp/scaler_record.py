@@ -116,18 +116,26 @@ class StepRecord:
         return self._rows(self._num_updates)[0, rec.LOSS].double()
 
     def loss_since(
-        self, update: int, *, without_spikes: bool = False
+        self, update: int, *, without_spikes: bool = False, applied: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum, count)`` of the finite losses recorded after update number ``update`` (at
-        most ``history_size`` records back), as 0-dim float64 device tensors: a log interval's
-        loss. ``without_spikes``: leave out the losses the spike rule vetoed (a skipped step
-        whose loss was above its threshold: an outlier batch, not the run's course; an
-        overflow's loss stays). No host read."""
+        most ``history_size`` records back), as 0-dim float64 device tensors. ``without_spikes``:
+        leave out the losses the spike rule vetoed (a skipped step whose loss was above its
+        threshold: an outlier batch, not the run's course; an overflow's loss stays).
+        ``applied``: a log interval's loss, over the steps that were applied only (no skipped
+        step's loss: overflows and spikes are counted apart, in the skip counters); when none
+        was applied, over every finite loss, so a row of skipped steps keeps the loss their
+        forward passes had. No host read."""
         rows = self._rows(self._num_updates - update)
         loss = rows[:, rec.LOSS].double()
         ok = torch.isfinite(loss)
         if without_spikes:
             ok = ok & ~((rows[:, rec.SKIPPED] > 0) & (rows[:, rec.LOSS] > rows[:, rec.LOSS_THR]))
+        if applied and rows.shape[0]:
+            # skipped is 0 or 1: at most the least of them is "applied" when one step was, and
+            # every step when none was (three ops, no host read)
+            skipped = rows[:, rec.SKIPPED]
+            ok = ok & (skipped <= skipped.amin())
         return torch.where(ok, loss, 0.0).sum(), ok.sum().double()
 
     # ------------------------------------------------------------------ observed skips

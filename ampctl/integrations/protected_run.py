@@ -24,7 +24,13 @@ skipped, overflow rate, grad norm / max / underflow, lr ...), so ``ampctl plot``
 
 Micro-batches: ``after_step`` may be called after every micro-batch; a call after which the
 scaler recorded no new ``update()`` only adds the micro-batch's loss (the loss you backpropagate,
-i.e. already divided by the number of micro-batches) and batch to the step.
+i.e. already divided by the number of micro-batches) and batch to the step. It must also be
+called after ``update()``: a loop that calls it only per micro-batch, before ``step()``, would
+report each optimizer step during the next one, after ``zero_grad()`` -- the step's gradients
+(the overflow attribution, the rollback's decision) gone and the next step's micro-batch in
+them -- so the first such call raises :class:`~ampctl.integrations.IntegrationError` with the
+fix (one line) instead of guarding the wrong gradients. A last step whose ``after_step`` never
+came (the loop ended between ``update()`` and the call) is taken by :meth:`ProtectedRun.finish`.
 
 What does not apply in a loop that owns its autocast: precision fallback (a fallback decision
 aborts with the reason; the Lightning callback, whose plugin owns autocast, does fall back), and
@@ -296,8 +302,10 @@ class ProtectedRun:
 
     def attach(self, step: int | None = None, *, resumed_from: str | Path | None = None):
         """:meth:`start` for a loop without a ``with`` block (``while True:``); :meth:`detach`
-        ends the run. If the process exits first, the summary is still written (``failed``
-        after an uncaught exception, else ``ok``). Returns the run."""
+        ends the run. If the process exits first, the summary is still written: ``failed``
+        after an uncaught exception or ``sys.exit(code)`` with a code other than 0 / None,
+        ``interrupted`` after Ctrl-C, else ``ok`` (a ``raise SystemExit(code)`` that does not go
+        through ``sys.exit`` is not seen: Python hands it to no hook). Returns the run."""
         self.start(step, resumed_from=resumed_from)
         self._exit_hooks = _ExitHooks(self)
         return self
@@ -452,7 +460,7 @@ class ProtectedRun:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.finish(_status_of(exc_type))
+        self.finish(_status_of(exc_type, exc))
 
     # ------------------------------------------------------------------ per step
     def add_batch(self, loss: Any = None, batch: Any = None, *, tokens: int | None = None) -> None:
@@ -534,8 +542,10 @@ class ProtectedRun:
             # the scaler's count was taken when the run was built (or loaded): this call may
             # follow the run's first update already
             self._start(None if step is None or self._step else max(int(step) - 1, 0))
-        self.add_batch(loss, batch, tokens=tokens)
         n = self.scaler.num_updates
+        if n != self._updates_seen and self.scaler.step_under_way:
+            raise IntegrationError(_LATE_CALL.format(step=self._step + 1))
+        self.add_batch(loss, batch, tokens=tokens)
         if n == self._updates_seen:
             return None
         self._updates_seen = n
@@ -647,6 +657,12 @@ class ProtectedRun:
         status = status or self.status or "ok"
         if status == "ok":
             try:
+                if self.scaler.num_updates != self._updates_seen and not (
+                    self.scaler.step_under_way
+                ):
+                    # the last optimizer step had no after_step (the loop ended between update()
+                    # and its call): it is taken now, not dropped from the steps and the rows
+                    self.after_step()
                 self._apply(self.protection.sync())
             except TrainAborted as e:
                 status = e.status
@@ -737,12 +753,18 @@ class _ExitHooks:
         self.run = run
         self.failed: str | None = None
         self._previous = sys.excepthook
+        self._previous_exit = sys.exit
         sys.excepthook = self._excepthook
+        sys.exit = self._exit  # SystemExit never reaches sys.excepthook: its code is seen here
         atexit.register(self._at_exit)
 
     def _excepthook(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.failed = _status_of(exc_type)
+        self.failed = _status_of(exc_type, exc)
         self._previous(exc_type, exc, tb)
+
+    def _exit(self, code: Any = None) -> None:
+        self.failed = _status_of(SystemExit, SystemExit(code))
+        self._previous_exit(code)
 
     def _at_exit(self) -> None:
         if self.run.summary is None:
@@ -752,17 +774,35 @@ class _ExitHooks:
         atexit.unregister(self._at_exit)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous
+        if sys.exit == self._exit:
+            sys.exit = self._previous_exit
 
 
-def _status_of(exc_type: Any) -> str | None:
-    """The run's status after ``exc_type`` (None: no exception, the default status)."""
+def _status_of(exc_type: Any, exc: Any = None) -> str | None:
+    """The run's status after ``exc_type`` (None: no exception, the default status):
+    ``SystemExit`` with code 0 or None is a normal end (None), with any other code ``failed``;
+    Ctrl-C ``interrupted``; the guard's own stop its status; any other exception ``failed``."""
     if exc_type is None:
         return None
     if issubclass(exc_type, TrainAborted):
         return exc_type.status  # aborted | diverged
     if issubclass(exc_type, KeyboardInterrupt):
         return "interrupted"
+    if issubclass(exc_type, SystemExit):
+        code = getattr(exc, "code", None)
+        return None if code is None or code == 0 else "failed"
     return "failed"
+
+
+#: after_step saw an update only after the next step's scale() (a loop that calls it per
+#: micro-batch, before step()/update(), and never after update()).
+_LATE_CALL = (
+    "ProtectedRun.after_step: optimizer step {step} was not reported before the next step began "
+    "(scaler.scale() was called again first): call run.after_step(loss, batch) after "
+    "scaler.update() and before the next zero_grad(), once per optimizer step (calls after "
+    "each micro-batch as well are fine); its gradients, for the overflow attribution and the "
+    "rollback, are gone by the next step"
+)
 
 
 def _scalar(t: torch.Tensor | None) -> torch.Tensor | None:

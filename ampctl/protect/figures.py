@@ -45,13 +45,16 @@ class LogWindow:
         self.tokens += tokens
 
     def loss(self, scaler: Any) -> tuple[Any, Any]:
-        """``(sum, count)`` of the interval's finite losses: those handed over, else the
-        scaler's records since :attr:`first_update` (0-dim device tensors). No host read."""
+        """``(sum, count)`` of the interval's finite losses (0-dim device tensors): those handed
+        over, else the scaler's records since :attr:`first_update` over the steps that were
+        *applied* -- a skipped step (an overflow, a spike) is counted in the row's skip counters,
+        not averaged into its loss; an interval whose every step was skipped keeps their losses
+        (``LossScaler.loss_since(..., applied=True)``). No host read."""
         if self.loss_sum is not None:
             return self.loss_sum, self.loss_n
         if scaler.num_updates <= self.first_update:
             return 0.0, 0.0
-        return scaler.loss_since(self.first_update)
+        return scaler.loss_since(self.first_update, applied=True)
 
     def course_loss(self, scaler: Any) -> tuple[Any, Any] | None:
         """``(sum, count)`` of the interval's finite losses without the spikes the spike rule

@@ -13,12 +13,22 @@ URI instead (``http://host:5000``, ``sqlite:///runs/mlruns.db`` to keep many run
 figures join it instead of opening a second run, and the sink leaves it open at the end.
 
 What: each numeric metrics.jsonl key as the metric ``ampctl/<key>`` at ``step = row["step"]``;
-string keys (``precision``) as tags ``ampctl.<key>``; each event as a step up of
-``ampctl/events/<kind>`` (the running count of its kind) plus the tag ``ampctl.last_event``, and
-all of them as the artifact ``ampctl/events.jsonl`` at the end; the composed config as
-parameters (``group.key``; ``ampctl.group.key`` in a joined run); the summary as the artifact
+the row's step itself as ``ampctl/step``; string keys (``precision``) as tags ``ampctl.<key>``;
+each event as a step up of ``ampctl/events/<kind>`` (the running count of its kind) plus the tag
+``ampctl.last_event``, and all of them as the artifact ``ampctl/events.jsonl`` at the end; the
+composed config as parameters (``group.key``; ``ampctl.group.key`` in a joined run; ``name`` is
+the run's name when the config leaves it null, as ``--name`` does); the summary as the artifact
 ``ampctl/summary.json``, its numbers as ``ampctl/summary/<key>`` and its status as the tag
 ``ampctl.status``; the plot as the artifact ``ampctl/plot.png``.
+
+MLflow's *latest* value of a metric (the run page, ``run.data.metrics``, search) is its point of
+the largest step, then timestamp, then value. A rollback rewinds the training step, so points
+logged after it would lose to the ones before: the counters ``ampctl/events/<kind>`` and
+``ampctl/step`` are logged at the *high-water* step (the largest training step this sink has
+seen; equal to the event's own step until a rollback), and every point carries a timestamp later
+than the one before, so each of them reads back, as its latest value, the one logged last (the
+count in events.jsonl; the step the run stopped at). The training figures stay at their own
+steps: a rolled-back stretch is logged again at the steps it replays.
 
 A tracking server that is down must not hold a run up for minutes: unless you set them,
 ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT`` are 1 and 10 s for this
@@ -136,6 +146,10 @@ class MlflowSink:
             _require_sql(self.uri)
         self._events: list[str] = []
         self._tags: dict[str, str] = {}
+        self._high = 0  # the largest training step seen: counters are logged at it
+        self._ts = 0  # the last timestamp given out (ms): each point's is later
+        if "name" in params and params["name"] is None and run_name:
+            params = {**params, "name": run_name}  # the config's null name: the run's own
         with _scoped(self.uri):
             self.client = MlflowClient(tracking_uri=self.uri)
             if joined:
@@ -165,13 +179,19 @@ class MlflowSink:
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
 
-    @staticmethod
-    def _now() -> int:
-        return int(time.time() * 1000)
+    def _now(self) -> int:
+        """Milliseconds since the epoch, each call later than the last (module docstring)."""
+        self._ts = max(int(time.time() * 1000), self._ts + 1)
+        return self._ts
+
+    def _high_water(self, step: int) -> int:
+        self._high = max(self._high, step)
+        return self._high
 
     def metrics(self, row: Mapping[str, Any]) -> None:
         step, ts = int(row["step"]), self._now()
         ms = [self._Metric(f"ampctl/{k}", v, ts, step) for k, v in numeric_items(row)]
+        ms.append(self._Metric("ampctl/step", float(step), ts, self._high_water(step)))
         tags = [
             self._RunTag(f"ampctl.{k}", v) for k, v in text_items(row) if self._tags.get(k) != v
         ]
@@ -185,7 +205,11 @@ class MlflowSink:
         with _scoped(self.uri):
             self.client.log_batch(
                 self.run_id,
-                metrics=[self._Metric(f"ampctl/events/{kind}", float(count), self._now(), step)],
+                metrics=[
+                    self._Metric(
+                        f"ampctl/events/{kind}", float(count), self._now(), self._high_water(step)
+                    )
+                ],
                 tags=[self._RunTag("ampctl.last_event", text[:5000])],
             )
         self._events.append(json.dumps(dict(ev), default=str))

@@ -197,40 +197,71 @@ def test_bounds_clamp_the_scale():
     assert LossScaler(init_scale=2.0**30).get_scale() == 2.0**24  # initial value clamped too
 
 
-def test_forward_overflow_is_skipped_recorded_and_backs_off_as_in_gradscaler():
-    """A non-finite loss: skipped and counted as a forward overflow. With hysteresis 1 the
-    scale follows GradScaler's kernel (it backs off; ampctl's guard puts it back, tested in
-    tests/protect/test_protection_unit.py); with hysteresis > 1 the rule keeps it."""
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_forward_overflow_is_skipped_and_counted_and_keeps_the_scale(hysteresis, bad):
+    """A non-finite loss: skipped and counted as a forward overflow, and the scale stays at
+    every hysteresis (a smaller scale cannot cure an overflow in the forward), with one host
+    read for the step (step()'s) and none in update()."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = LossScaler(init_scale=1024.0, growth_interval=1000)
+    scaler = LossScaler(init_scale=1024.0, growth_interval=1000, hysteresis=hysteresis)
     x, y = _batches(1)[0]
     before = [p.detach().clone() for p in model.parameters()]
-    loss = _loss(model, x, y) * torch.tensor(float("inf"))
-    scaler.scale(loss).backward()
+    scaler.scale(_loss(model, x, y) * torch.tensor(bad)).backward()
     with count_host_reads() as reads:
         scaler.step(opt)
         scaler.update()
     assert reads.total == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     st = scaler.stats()
-    assert st["scale"] == 512.0 and st["skipped_total"] == 1 and st["forward_overflows"] == 1
-    # a following gradient overflow backs off and is a gradient overflow
-    opt.zero_grad()
-    scaler.scale(_loss(model, x, y)).backward()
-    _plant(model, float("inf"))
+    assert st["scale"] == 1024.0 and st["skipped_total"] == 1 and st["forward_overflows"] == 1
+    assert scaler.last_step_skipped and scaler.history() == [(1, 1024.0, True)]
+    assert scaler.state_dict()["_hysteresis_tracker"] == hysteresis  # it spends no hysteresis
+    # the gradient overflows that follow back off as ever: the hysteresis-th of them halves
+    for _ in range(hysteresis):
+        opt.zero_grad()
+        scaler.scale(_loss(model, x, y)).backward()
+        _plant(model, float("inf"))
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 512.0
+    assert scaler.forward_overflows == 1 and scaler.skipped_steps == 1 + hysteresis
+
+
+def test_across_ranks_a_forward_overflow_backs_off_on_every_rank_as_in_gradscaler():
+    """With reduce_flags (torch.distributed) the skip is agreed but the loss is this rank's: at
+    hysteresis 1 every rank backs off alike, so the ranks' scales stay equal."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=1024.0)
+    scaler.reduce_flags = lambda flag: flag  # one rank's view of an all-reduce MAX
+    x, y = _batches(1)[0]
+    scaler.scale(_loss(model, x, y) * float("inf")).backward()
     scaler.step(opt)
     scaler.update()
-    assert (
-        scaler.get_scale() == 256.0 and scaler.forward_overflows == 1 and scaler.skipped_steps == 2
-    )
-    keeps = LossScaler(init_scale=1024.0, hysteresis=2)
-    opt.zero_grad()
-    keeps.scale(_loss(model, x, y) * torch.tensor(float("inf"))).backward()
-    keeps.step(opt)
-    keeps.update()
-    assert keeps.get_scale() == 1024.0 and keeps.forward_overflows == 1
-    assert keeps.state_dict()["_hysteresis_tracker"] == 2  # it spends no hysteresis
+    assert scaler.get_scale() == 512.0 and scaler.forward_overflows == 1
+
+
+def test_a_forward_overflow_keeps_the_scale_within_the_bounds_and_then_grows_on_time():
+    """Hysteresis 1: the forward overflow's scale is the one the step used (clamped as ever);
+    the growth count restarts after it (a skipped step, as GradScaler counts it)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = LossScaler(init_scale=64.0, growth_interval=2, max_scale=128.0)
+    x, y = _batches(1)[0]
+    scales = []
+    for i in range(6):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        scaler.scale(loss * float("inf") if i == 1 else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    # 0 clean (1 of 2), 1 forward (kept, the count restarts), 2 clean, 3 clean: grows to the
+    # ceiling, 4-5 clean at the ceiling
+    assert scales == [64.0, 64.0, 64.0, 128.0, 128.0, 128.0]
+    assert scaler.forward_overflows == 1 and scaler.skipped_steps == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -422,8 +453,9 @@ def test_gradient_accumulation_ors_the_loss_flag():
     scaler.scale(_loss(model, x, y)).backward()
     scaler.step(opt)
     scaler.update()
-    # the NaN micro-batch makes the step's loss NaN: one forward overflow for the whole step
-    assert scaler.last_step_skipped and scaler.forward_overflows == 1 and scaler.get_scale() == 32.0
+    # the NaN micro-batch makes the step's loss NaN: one forward overflow for the whole step,
+    # which keeps the scale
+    assert scaler.last_step_skipped and scaler.forward_overflows == 1 and scaler.get_scale() == 64.0
 
 
 def test_gradscaler_can_be_swapped_out_in_a_user_loop():
@@ -527,8 +559,8 @@ def _train(scaler, steps, plant_at=(), model=None):
 
 
 def test_check_loss_false_backs_off_on_a_nonfinite_loss_like_gradscaler():
-    """Every hysteresis-1 scaler backs off on a NaN loss, as GradScaler; check_loss decides only
-    whether the skip is recorded as a forward overflow."""
+    """check_loss=False (and like_gradscaler) backs off on a NaN loss and records a gradient
+    overflow, as GradScaler; the default keeps the scale and records a forward overflow."""
     results = {}
     for name, scaler in (
         ("default", LossScaler(init_scale=1024.0)),
@@ -543,7 +575,7 @@ def test_check_loss_false_backs_off_on_a_nonfinite_loss_like_gradscaler():
         scaler.update()
         results[name] = (scaler.get_scale(), getattr(scaler, "forward_overflows", None))
     assert results == {
-        "default": (512.0, 1),
+        "default": (1024.0, 1),
         "check_loss=False": (512.0, 0),
         "GradScaler": (512.0, None),
     }

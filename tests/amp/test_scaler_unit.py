@@ -366,16 +366,16 @@ def test_skipped_steps_are_counted_by_kind_and_in_a_row():
     assert torch.equal(model.weight, w)
     assert s.last_skip_read is True
     assert (s.skipped_steps, s.forward_overflows, s.consecutive_overflows) == (2, 1, 2)
-    # hysteresis 1 is GradScaler's kernel: every skip backs off, the forward overflow too (the
-    # guard puts the scale back on one: a smaller scale cannot cure it)
-    assert s.get_scale() == 16.0
+    # hysteresis 1 is GradScaler's kernel, but the forward overflow keeps the scale it used (a
+    # smaller scale cannot cure it): only the gradient overflow backed off
+    assert s.get_scale() == 32.0
     _step(s, model, opt)
     assert (s.skipped_steps, s.forward_overflows, s.consecutive_overflows) == (2, 1, 0)
     assert s.last_step_skipped is False
-    assert s.history() == [(1, 64.0, True), (2, 32.0, True), (3, 16.0, False)]
+    assert s.history() == [(1, 64.0, True), (2, 32.0, True), (3, 32.0, False)]
     assert s._history_tensor()[:, 2].tolist() == [1.0, 2.0, 0.0]  # the kinds
     recs = s.recent_records(3)
-    assert recs[:, rec.SCALE].tolist() == [64.0, 32.0, 16.0]
+    assert recs[:, rec.SCALE].tolist() == [64.0, 32.0, 32.0]
     assert recs[:, rec.SKIPPED].tolist() == [1.0, 1.0, 0.0]
     assert math.isnan(recs[1, rec.LOSS]) and math.isfinite(recs[2, rec.LOSS])
     assert s.recent_skips(2).item() == 1.0 and s.recent_skips(10).item() == 2.0
@@ -386,7 +386,7 @@ def test_skipped_steps_are_counted_by_kind_and_in_a_row():
         ["scale", "skipped_total", "forward_overflows", "spikes", "consecutive_overflows",
          "last_skipped"]
     )  # fmt: skip
-    assert [counters[k].item() for k in sorted(counters)] == [0, 1, 0, 16.0, 2, 0]
+    assert [counters[k].item() for k in sorted(counters)] == [0, 1, 0, 32.0, 2, 0]
 
 
 def test_the_history_is_a_ring_of_the_last_steps():

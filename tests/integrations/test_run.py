@@ -210,10 +210,15 @@ for step, batch in enumerate(batches(3), 1):
     opt.zero_grad()
 if sys.argv[2] == "crash":
     raise RuntimeError("the loop broke")
+if sys.argv[2] == "exit3":
+    sys.exit(3)
 """
 
 
-@pytest.mark.parametrize(("end", "status", "code"), [("exit", "ok", 0), ("crash", "failed", 1)])
+@pytest.mark.parametrize(
+    ("end", "status", "code"),
+    [("exit", "ok", 0), ("crash", "failed", 1), ("exit3", "failed", 3)],
+)
 def test_attach_without_detach_still_writes_the_summary(tmp_path, end, status, code):
     """``while True:`` loops: ``attach()`` instead of a ``with`` block; a process that ends
     without ``detach()`` -- normally or by an exception -- leaves its summary."""
@@ -394,3 +399,89 @@ def test_the_nanogpt_shaped_example_trains_accumulates_and_resumes(tmp_path):
     assert (summary["status"], summary["steps"]) == ("ok", 14)
     assert not (folder / "branches").exists()  # no checkpoint after 10 in the folder: the row
     # at 12 was logged by a run the resume replaces, so it is dropped, not archived
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [(0, "ok"), (None, "ok"), (3, "failed"), ("x", "failed")]
+)
+def test_a_with_block_left_by_system_exit_takes_its_status_from_the_exit_code(
+    tmp_path, code, status
+):
+    model, opt, scaler, run = _new(tmp_path, max_steps=4)
+    with pytest.raises(SystemExit), run:
+        _loop(run, model, opt, scaler, range(1, 3))
+        raise SystemExit(code)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == (status, 2)
+
+
+def test_after_step_called_only_per_micro_batch_is_refused_with_the_fix(tmp_path):
+    """A loop that reports each micro-batch before step()/update() and never after update():
+    step 1 would be seen during step 2, after zero_grad() (its gradients gone, for the
+    attribution and the rollback), and the last step never. The first such call says so."""
+    model, opt, scaler, run = _new(tmp_path, max_steps=4)
+    data = batches(8)
+    with pytest.raises(IntegrationError) as err, run:
+        for i, batch in enumerate(data):
+            if i % 2 == 0:
+                opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch)["loss"] / 2
+            scaler.scale(loss).backward()
+            run.after_step(loss, batch)
+            if i % 2 == 1:
+                scaler.step(opt)
+                scaler.update()
+    assert i == 2 and scaler.num_updates == 1  # refused at step 2's first micro-batch
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("ProtectedRun.after_step: optimizer step 1 ")
+    assert "call run.after_step(loss, batch) after scaler.update()" in msg
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("failed", 0)
+
+
+def test_a_last_step_without_after_step_is_taken_by_finish(tmp_path):
+    model, opt, scaler, run = _new(tmp_path, max_steps=4)
+    data = batches(4)
+    with run:
+        _loop(run, model, opt, scaler, range(1, 4), data=data)
+        opt.zero_grad()  # step 4: updated, the loop ends before its after_step
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(**data[3])["loss"]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert run.step == 4
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [2, 4]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_rows_loss_is_over_the_applied_steps_not_a_skipped_spike_or_overflow(tmp_path):
+    """The spike rule (a short window) skips a planted x1000 loss at step 10, and step 6 has a
+    planted gradient overflow (its loss finite): each row's loss is the mean over the steps it
+    applied (2948 in a row of ~2.6 was the spike averaged in); the skips are counted apart."""
+    model, opt, scaler, run = _new(
+        tmp_path, max_steps=12, guard={"spike_window": 8, "spike_min_steps": 4}
+    )
+    data, losses = batches(12), {}
+    with run:
+        for step in range(1, 13):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**data[step - 1])["loss"]
+            if step == 10:
+                loss = loss * 1000.0
+            losses[step] = loss.item()
+            scaler.scale(loss).backward()
+            if step == 6:
+                model.head.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            run.after_step(loss, data[step - 1])
+    kinds = [(e["kind"], e["step"]) for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
+    assert kinds == [("overflow", 6), ("spike", 10)]
+    rows = {r["step"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert rows[6]["loss"] == pytest.approx(losses[5], rel=1e-6)
+    assert rows[10]["loss"] == pytest.approx(losses[9], rel=1e-6)  # not (l9 + 1000 l10) / 2
+    assert rows[8]["loss"] == pytest.approx((losses[7] + losses[8]) / 2, rel=1e-6)
+    assert (rows[10]["skipped"], rows[10]["spikes"]) == (2, 1)

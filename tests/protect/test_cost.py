@@ -4,8 +4,8 @@ Each loop runs the same tiny model twice: with few parameter tensors (11) and wi
 A ``TorchDispatchMode`` (:mod:`ampctl.opcount`) counts every op outside the model's forward and
 backward, clipping, the optimizer's own math and data loading. The counts must not grow with the
 number of tensors, and must stay within what the issue allows beside a bare ``torch.amp.
-GradScaler`` loop measured the same way: the LossScaler's clean step at most GradScaler's + 6, a
-ProtectedRun's mean step (log and snapshot steps counted, default guard, a log step every 10) at
+GradScaler`` loop measured the same way: the LossScaler's clean step at most GradScaler's + 6 (it
+is + 2: the forward overflow's comparison and where), a ProtectedRun's mean step (log and snapshot steps counted, default guard, a log step every 10) at
 most GradScaler's + 16.
 """
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ampctl.amp import LossScaler
+from ampctl.hostreads import count_host_reads
 from ampctl.integrations import ProtectedRun
 from ampctl.opcount import count_ops
 
@@ -57,6 +58,8 @@ def _counts(kind: str, tensors: int, tmp_path, **run_kw) -> list[int]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if kind == "gradscaler":
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    elif kind == "like_gradscaler":
+        scaler = LossScaler.like_gradscaler("cpu", init_scale=1024.0)
     else:
         scaler = LossScaler(init_scale=1024.0)
     run = None
@@ -109,11 +112,50 @@ def test_the_counter_counts_kernels_and_leaves_out_what_it_is_told():
 def test_a_clean_loss_scaler_step_costs_what_a_gradscaler_step_costs(tmp_path, tensors):
     gs = _baseline("gradscaler", tensors)
     ls = _baseline("lossscaler", tensors)
-    assert len(set(gs)) == 1 and len(set(ls)) == 1  # every step alike
+    like = _baseline("like_gradscaler", tensors)
+    assert len(set(gs)) == 1 and len(set(ls)) == 1 and len(set(like)) == 1  # every step alike
     # the issue allows GradScaler's + 6; the record row and the bounds' clamp take the place
-    # of GradScaler's found-inf allocation and combination: the same count
+    # of GradScaler's found-inf allocation and combination; like_gradscaler() has no bounds (no
+    # clamp) and does not check the loss: one op fewer than GradScaler; the default scaler
+    # checks the loss (a comparison and a where, so that a forward overflow keeps the scale)
     assert ls[0] <= gs[0] + 6
-    assert ls[0] == gs[0]
+    assert like[0] == gs[0] - 1
+    assert ls[0] == gs[0] + 2
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_a_forward_overflow_keeps_the_scale_at_the_clean_steps_cost_and_reads_nothing_more(
+    hysteresis,
+):
+    """The forward-overflow path: a step with an inf loss costs the ops a clean step costs (the
+    where runs on every step) and one host read (step()'s, as GradScaler's); the scale stays."""
+    torch.manual_seed(0)
+    model = Net(11)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = LossScaler(init_scale=1024.0, hysteresis=hysteresis)
+    x = torch.randn(8, 16)
+    ops, reads = [], []
+    for i in range(WARM + 2):
+        with count_ops(models=(model,), optimizers=(opt,)) as c, count_host_reads() as r:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x)
+            if i == WARM + 1:
+                with c.paused():  # the planted fault is the user's op, not the scaler's
+                    loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        ops.append(c.total)
+        reads.append(r.total)
+    assert scaler.last_step_skipped and scaler.forward_overflows == 1
+    assert scaler.get_scale() == 1024.0
+    assert ops[-1] == ops[-2]  # the same ops as the clean step before it
+    if hysteresis == 1:
+        assert ops[-1] == _baseline("gradscaler", 11)[0] + 2
+    assert reads[-2:] == [1, 1]  # step()'s read, nothing in update()
 
 
 def test_the_costs_do_not_grow_with_the_number_of_parameter_tensors(tmp_path):
@@ -130,4 +172,5 @@ def test_a_protected_runs_mean_step_is_within_gradscalers_plus_16(tmp_path, tens
     mean = sum(run) / len(run)
     assert mean <= sum(gs) / len(gs) + 16, (mean, run)
     clean = [c for i, c in enumerate(run, WARM + 1) if i % 10]
-    assert set(clean) == {gs[0]}  # a step that is not a log step costs no op of its own
+    # a step that is not a log step costs no op of its own: the scaler's (GradScaler's + 2)
+    assert set(clean) == {gs[0] + 2}

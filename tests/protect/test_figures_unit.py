@@ -74,6 +74,33 @@ def test_without_handed_over_losses_the_window_reads_the_scalers_records():
     assert all(type(x) is float for x in got)
 
 
+def test_the_rows_loss_is_over_the_applied_steps_the_skipped_ones_counted_apart():
+    """The issue's row: a spike the rule skipped (2948) among steps of ~2.6 is not averaged into
+    the row's loss, nor is an overflow's loss; the skip counters count them. An interval whose
+    every step was skipped keeps their finite losses (a row of skips is not a NaN loss)."""
+    rows = [
+        row(loss=2.6, loss_thr=10.0),
+        row(loss=2948.0, skipped=True, loss_thr=10.0),  # a spike, vetoed
+        row(loss=2.5, skipped=True, loss_thr=10.0),  # a gradient overflow: finite loss, skipped
+        row(loss=2.7, loss_thr=10.0),
+    ]
+    s, n = LogWindow(first_update=0).loss(scaler_with(rows))
+    assert n.item() == 2.0 and s.item() / n.item() == pytest.approx(2.65)
+    skips = [row(loss=2.5, skipped=True), row(loss=NAN, skipped=True), row(loss=3.5, skipped=True)]
+    s, n = LogWindow(first_update=0).loss(scaler_with(skips))
+    assert (s.item(), n.item()) == (6.0, 2.0)
+    # a step the guard reran clean (mark_applied) counts as applied again
+    rerun = scaler_with([row(loss=2.0), row(loss=4.0, skipped=True)])
+    rerun.mark_applied()
+    s, n = LogWindow(first_update=0).loss(rerun)
+    assert (s.item(), n.item()) == (6.0, 2.0)
+    scaler = scaler_with(rows)
+    scaler.recent_records(1)  # the device state exists
+    with count_host_reads() as reads:
+        LogWindow(first_update=0).loss(scaler)
+    assert reads.total == 0
+
+
 def test_log_window_state_round_trip():
     w = LogWindow(first_update=7, tokens=11)
     assert w.state_dict() == {"first_update": 7, "loss_sum": None, "loss_n": None, "tokens": 11}
@@ -283,7 +310,7 @@ def test_the_course_loss_leaves_out_the_spikes_the_rule_skipped():
     window = LogWindow(first_update=0)
     total = window.loss(scaler_with(rows))
     course = window.course_loss(scaler_with(rows))
-    assert (total[0].item(), total[1].item()) == (509.0, 4.0)
+    assert (total[0].item(), total[1].item()) == (6.0, 2.0)  # the row's: applied steps only
     assert (course[0].item(), course[1].item()) == (9.0, 3.0)
     window.add(torch.tensor(1.0))  # losses handed over: no record of which step was a spike
     assert window.course_loss(scaler_with(rows)) is None

@@ -83,6 +83,10 @@ def test_mlflow_histories_equal_metrics_jsonl_and_the_overflow_is_an_event(
     assert set(params) == set(config)
     assert params["trainer.max_steps"] == "12" and params["precision.name"] == "fp16"
     assert params["scaler.init_scale"] == "1024.0" and params["guard.rollback_after"] == "0"
+    assert config["name"] is None and params["name"] == d.name  # the run's name, not 'null'
+    # the step as a metric too: its latest value is the step the run ended at
+    assert history(client, rid, "ampctl/step") == [(r["step"], r["step"]) for r in rows]
+    assert run.data.metrics["ampctl/step"] == 12
     # the summary: the same object as summary.json, its numbers as metrics, its status a tag
     summary = json.loads((d / "summary.json").read_text())
     art = client.download_artifacts(rid, "ampctl/summary.json", str(d / "dl"))
@@ -169,3 +173,49 @@ def test_mlflow_without_its_sql_store_packages_is_a_one_line_hint(tmp_path):
     )
     assert [r["step"] for r in read_jsonl(d / "metrics.jsonl")] == [4, 8, 12]
     assert not (d / "mlruns.db").exists()
+
+
+def test_after_rollbacks_the_latest_counters_and_step_are_the_last_ones_logged(
+    tmp_path, mlflow_template
+):
+    """A rollback rewinds the training step: the points logged after it are at smaller steps.
+    MLflow's latest value is the point of the largest step (then timestamp, then value), so the
+    counters and ``ampctl/step`` go at the high-water step: their latest values are the
+    events.jsonl count and the step the run ended at."""
+    from ampctl.ui.mlflow_sink import MlflowSink
+
+    d = tmp_path / "rb"
+    seed_store(mlflow_template, d)
+    sink = MlflowSink(
+        d, uri=None, experiment="ampctl", run_name="rb", params={"name": None, "seed": 0}
+    )
+    # steps 1-20, then three rollbacks to step 10 (11-20 again): an overflow every other step
+    # of the first pass and at 11, 13, 15 of each replay (below the first pass's 19), a row
+    # every 4 steps, a rollback event at each rewind
+    steps = list(range(1, 21)) + [s for _ in range(3) for s in range(11, 21)]
+    n_overflow = n_rollback = 0
+    for i, step in enumerate(steps):
+        if i and step < steps[i - 1]:
+            n_rollback += 1
+            sink.event({"step": steps[i - 1], "kind": "rollback", "message": "to 10"}, n_rollback)
+        if step % 2 and (i < 20 or step <= 15):
+            n_overflow += 1
+            sink.event({"step": step, "kind": "overflow", "message": "inf"}, n_overflow)
+        if step % 4 == 0:
+            sink.metrics({"step": step, "loss": 1.0 / step})
+    sink.metrics({"step": 15, "loss": 0.5})  # the run stops at 15, below its high-water 20
+    sink.close("ok")
+    assert n_overflow == 19 and n_rollback == 3
+    client, run = mlflow_run(local_uri(d))
+    latest = run.data.metrics
+    assert latest["ampctl/events/overflow"] == 19.0  # was 10: the count at step 19
+    assert latest["ampctl/events/rollback"] == 3.0
+    assert latest["ampctl/step"] == 15.0
+    # every count is in the history, in order, and never at a step below the one before
+    hist = history(client, run.info.run_id, "ampctl/events/overflow")
+    assert [v for _, v in hist] == [float(k) for k in range(1, 20)]
+    assert [s for s, _ in hist] == sorted(s for s, _ in hist) and hist[0][0] == 1
+    # the training figures stay at their own steps (the replayed stretch logged again)
+    loss_steps = [s for s, _ in history(client, run.info.run_id, "ampctl/loss")]
+    assert loss_steps == [4, 8, 12, 16, 20, 12, 16, 20, 12, 16, 20, 12, 16, 20, 15]
+    assert run.data.params["name"] == "rb" and run.data.params["seed"] == "0"

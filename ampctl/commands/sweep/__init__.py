@@ -6,9 +6,10 @@ Every trial is a real ``ampctl train`` process (same seed, same data order) in
 ``runs/<sweep>/<trial>/``; a crash, a NaN or a dead node in one trial never stops the sweep. An
 fp32 baseline (bf16 on a CUDA device that has it) is the reference loss. The sweep writes
 ``results.csv`` and ``results.json`` after every finished trial process, ranks the trials and
-prints the best settings as a command line ready to paste, next to the data-driven estimate
-``S* = 65504 / max|g|`` and the init_scale recommended from it
-(:func:`ampctl.amp.formats.recommended_init_scale`, the one definition diagnose uses too).
+prints the best trial's settings as the one command line to paste; under it, as information (not
+a second recommendation), the data-driven estimate ``S* = 65504 / max|g|`` and the init_scale it
+suggests (:func:`ampctl.amp.formats.recommended_init_scale`, the one definition diagnose uses
+too): the trial of the grid that tried it, or the override that adds it to the grid.
 
 The package, one concern per file:
 

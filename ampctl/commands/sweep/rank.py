@@ -47,6 +47,7 @@ __all__ = [
     "live_divergence",
     "recommend",
     "s_star",
+    "grid_override",
     "fmt_value",
 ]
 
@@ -317,8 +318,11 @@ def s_star(
     plan: SweepPlan, rows: list[dict[str, Any]], recommendation: dict[str, Any] | None
 ) -> dict[str, Any] | None:
     """``S* = 65504 / max|g|`` over the fp16 rows of the ranked trials, and the init_scale ampctl
-    recommends from it (:func:`ampctl.amp.formats.recommended_init_scale`: S* rounded down to a
-    power of two, halved for a 2x margin, within the scaler's bounds) as a command."""
+    suggests from it (:func:`ampctl.amp.formats.recommended_init_scale`: S* rounded down to a
+    power of two, halved for a 2x margin, within the scaler's bounds). Information beside the
+    one recommendation, never a second command: ``tried`` names the best-ranked trial of the
+    grid with that init_scale (None when the grid has none) and ``grid_override`` is then the
+    sweep's init_scale override with it added, to paste into the next sweep (None when tried)."""
     used = [
         r
         for r in rows
@@ -337,15 +341,7 @@ def s_star(
     init = recommended_init_scale(
         amax, min_scale=ref.cfg.scaler.min_scale, max_scale=ref.cfg.scaler.max_scale
     )
-    base = recommendation["overrides"] if recommendation else list(plan.fixed)
-    ovr = [o for o in base if bare(o.split("=", 1)[0]) != "scaler.init_scale"]
-    ovr.insert(
-        next(
-            (i for i, o in enumerate(base) if bare(o.split("=", 1)[0]) == "scaler.init_scale"),
-            len(ovr),
-        ),
-        f"scaler.init_scale={fmt_value(init)}",
-    )
+    tried = _trials_at(plan, rows, init)
     return {
         "value": value,
         "exponent": round(math.log2(value), 2),
@@ -355,5 +351,31 @@ def s_star(
         "trials": len(used),
         "above_max_scale": value > max_scale,
         "max_scale": max_scale,
-        "command": _train_command(plan, ovr),
+        "tried": tried[0]["trial"] if tried else None,
+        "tried_rank": tried[0].get("rank") if tried else None,
+        "tried_status": tried[0]["status"] if tried else None,
+        "grid_override": None if tried else grid_override(plan, init),
     }
+
+
+def _trials_at(plan: SweepPlan, rows: list[dict[str, Any]], init: float) -> list[dict[str, Any]]:
+    """The grid's trials whose init_scale is ``init``, best-ranked first (unranked last)."""
+    names = {t.name for t in plan.trials if t.kind == "trial" and t.cfg.scaler.init_scale == init}
+    at = [r for r in rows if r["trial"] in names]
+    return sorted(at, key=lambda r: (r.get("rank") is None, r.get("rank") or 0))
+
+
+def grid_override(plan: SweepPlan, init: float) -> str:
+    """The sweep's init_scale override (the key as the user wrote it) with ``init`` added to its
+    values, in ascending order: ``scaler.init_scale=1024,16384,65536``."""
+    key = next((k for k in plan.swept_keys if bare(k) == "scaler.init_scale"), "scaler.init_scale")
+    values: list[str] = []
+    for t in plan.trials:
+        if t.kind != "trial":
+            continue
+        v = t.swept.get(key) or fmt_value(t.cfg.scaler.init_scale)
+        if v not in values:
+            values.append(v)
+    values.append(fmt_value(init))
+    values.sort(key=lambda v: (as_number(v) is None, as_number(v) or 0.0))
+    return f"{key}={','.join(values)}"

@@ -195,7 +195,10 @@ def _recommendation_lines(result: SweepResult) -> list[str]:
     ]
 
 
-def _s_star_lines(s: dict[str, Any] | None) -> list[str]:
+def _s_star_lines(s: dict[str, Any] | None, rec: dict[str, Any] | None) -> list[str]:
+    """S* as information under the one recommendation (never a second command): what the
+    gradients suggest, and either the trial of the grid that tried it or, when none did, the
+    override that adds it to the grid."""
     if s is None:
         return []
     note = (
@@ -203,12 +206,19 @@ def _s_star_lines(s: dict[str, Any] | None) -> list[str]:
         if s["above_max_scale"]
         else ""
     )
+    if not s.get("tried"):
+        where = f"not tried: add it to the grid: {s['grid_override']}"
+    elif rec is not None and s["tried"] == rec["trial"]:
+        where = f"tried: {s['tried']}, the recommended trial"
+    else:
+        rank = f"ranked {s['tried_rank']}, " if s.get("tried_rank") else ""
+        where = f"tried: {s['tried']} ({rank}{s['tried_status']})"
     return [
-        f"Data-driven estimate: max|g| = {s['max_grad_amax']:.4g} over {s['rows']} logged fp16 "
-        f"steps of {s['trials']} trial(s) -> S* = 65504/max|g| = {s['value']:.6g} "
-        f"(2^{s['exponent']:.2f}){note}; recommended init_scale (S* rounded down to a power of "
-        f"two, halved for a 2x margin) = {fmt_scale(s['init_scale'])}:",
-        "  " + s["command"],
+        f"S* (information, not a recommendation): 65504/max|g| = {s['value']:.6g} "
+        f"(2^{s['exponent']:.2f}){note}, max|g| = {s['max_grad_amax']:.4g} over {s['rows']} "
+        f"logged fp16 steps of {s['trials']} trial(s); rounded down to a power of two and halved "
+        f"for a 2x margin: init_scale {fmt_scale(s['init_scale'])}",
+        "  " + where,
     ]
 
 
@@ -230,7 +240,7 @@ def report_lines(result: SweepResult, resume_command: str) -> list[str]:
     """The closing report under the ranked table, as plain lines."""
     plan = result.plan
     out = _problem_lines(result.rows) + _recommendation_lines(result)
-    out += _s_star_lines(result.s_star) + _halving_lines(result)
+    out += _s_star_lines(result.s_star, result.recommendation) + _halving_lines(result)
     out.append(f"Results: {plan.sweep_dir / 'results.csv'}, {plan.sweep_dir / 'results.json'}")
     if result.interrupted:
         done = sum(r["status"] not in ("pending", "interrupted") for r in result.rows)

@@ -158,8 +158,21 @@ def test_recommended_scale_is_the_one_diagnose_uses(tmp_path):
     assert s["value"] == 65504 / 2.0  # S* itself is the estimate
     assert s["exponent"] == round(math.log2(65504 / 2.0), 2)
     assert s["init_scale"] == recommended_init_scale(2.0) == 8192  # 32752 -> 2^14, halved
-    assert s["command"].endswith("scaler.init_scale=8192 scaler.growth_interval=100")
-    assert s["rows"] == 6 and "scaler.init_scale=1024" not in s["command"]
+    assert s["rows"] == 6 and "command" not in s  # information, not a second recommendation
+    # 8192 is not in the grid: offered as the override that adds it, not as a train command
+    assert s["tried"] is None and s["grid_override"] == "scaler.init_scale=1024,8192,65536"
+    # a grid that has it: the trial that tried it, no override
+    plan2 = plan_sweep(
+        [*FAST, f"trainer.runs_dir={tmp_path}", "scaler.init_scale=8192,1024"], baseline=False
+    )
+    rows2 = [
+        dict(_row("init_scale=8192", 4.1, rung=0, steps=12), max_grad_amax=2.0, _amax_rows=3),
+        dict(_row("init_scale=1024", 4.0, rung=0, steps=12), max_grad_amax=0.5, _amax_rows=3),
+    ]
+    rec2 = recommend(plan2, rows2, finalize_rows(rows2, 0.1, {}, top_rung=0))
+    s2 = s_star(plan2, rows2, rec2)
+    assert rec2["trial"] == "init_scale=1024"
+    assert (s2["tried"], s2["tried_rank"], s2["grid_override"]) == ("init_scale=8192", 2, None)
     # a trial that stopped at an early rung is ranked, but only a full-length one is recommended
     rows[0]["status"] = rows[0]["_base_status"] = "stopped"
     rows[1]["status"] = rows[1]["_base_status"] = "stopped"

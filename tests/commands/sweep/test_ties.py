@@ -157,3 +157,46 @@ def test_gaps_within_one_step_tie_and_the_next_step_does_not(gap_loss):
     assert _rank(rows, target=65536.0)[0] == "init_scale=65536"
     rows = [_base(), _trial(65536, loss=4.004, speed=1.0), _trial(256, speed=99.0)]  # +0.1%
     assert _rank(rows, target=65536.0)[0] == "init_scale=256"
+
+
+def test_the_report_makes_one_recommendation_and_offers_an_s_star_outside_the_grid(tmp_path):
+    """The issue's sweep: S* suggests 16384, which the grid (1024, 4096, 65536) did not try. The
+    report prints one command (the recommended trial's); S* is information, offered as the
+    override that adds 16384 to the grid -- never as a second train command."""
+    base = {**_base(), "trial": "baseline-fp32"}
+    # max|g| = 1.5: S* = 43669 -> 2^15 -> halved: 16384
+    rows = [base, _trial(1024, amax=1.5), _trial(4096, amax=1.5), _trial(65536, amax=1.5)]
+    rows[1]["final_loss"] = rows[2]["final_loss"] = 4.1  # 65536 is best on loss
+    result = _result(tmp_path, rows, grid="scaler.init_scale=1024,4096,65536")
+    assert result.recommendation["trial"] == "init_scale=65536"
+    assert result.s_star["init_scale"] == 16384 and result.s_star["tried"] is None
+    lines = report_lines(result, "")
+    commands = [line for line in lines if "ampctl train" in line]
+    assert commands == ["  " + result.recommendation["command"]]
+    assert lines[0].startswith("Recommended: init_scale=65536 ")
+    s_line = next(i for i, line in enumerate(lines) if line.startswith("S* "))
+    assert lines[s_line].startswith(
+        "S* (information, not a recommendation): 65504/max|g| = 43669.3 (2^15.41), "
+        "max|g| = 1.5 over 9 logged fp16 steps of 3 trial(s); rounded down to a power of two and "
+        "halved for a 2x margin: init_scale 16384 (2^14)"
+    )
+    assert lines[s_line + 1] == (
+        "  not tried: add it to the grid: scaler.init_scale=1024,4096,16384,65536"
+    )
+    assert not any("recommended init_scale" in line for line in lines)
+
+
+def test_an_s_star_the_grid_tried_names_its_trial(tmp_path):
+    base = {**_base(), "trial": "baseline-fp32"}
+    # max|g| = 0.25: S* -> 65536, the recommended trial itself; 256 is another trial of the grid
+    rows = [base, _trial(256, amax=0.25), _trial(65536, amax=0.25)]
+    result = _result(tmp_path, rows, grid="scaler.init_scale=256,65536")
+    lines = report_lines(result, "")
+    assert result.s_star["tried"] == result.recommendation["trial"] == "init_scale=65536"
+    assert "  tried: init_scale=65536, the recommended trial" in lines
+    assert sum("ampctl train" in line for line in lines) == 1
+    # when it is not the recommended one: its rank and status
+    rows = [base, _trial(256, amax=0.25), _trial(65536, amax=0.25, loss=4.1)]
+    result = _result(tmp_path, rows, grid="scaler.init_scale=256,65536")
+    assert result.recommendation["trial"] == "init_scale=256"
+    assert "  tried: init_scale=65536 (ranked 2, ok)" in report_lines(result, "")
