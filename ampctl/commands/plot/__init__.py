@@ -23,6 +23,7 @@ functions raise :class:`PlotUnavailable` with an install hint, and :func:`maybe_
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ampctl.errors import UsageError
@@ -80,6 +81,9 @@ def run_plot(path: Path, out: Path | None = None, baseline: Path | list[Path] | 
             )
         written = plot_sweep(path, out)
     else:
-        written = plot_run(path, out, baseline=baseline)
+        notes: list[str] = []
+        written = plot_run(path, out, baseline=baseline, notes=notes)
+        for line in notes:
+            print(f"note: {line}", file=sys.stderr)
     print(f"wrote {written}")
     return 0
