@@ -47,6 +47,8 @@ def _mpl():
 
 def _num(v: Any) -> float:
     """A value from a run file as a float; missing or not a number -> NaN."""
+    if type(v) is float:  # the common case first: this runs for every value of every row
+        return v
     x = as_number(v)
     return math.nan if x is None else x
 

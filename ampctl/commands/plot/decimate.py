@@ -101,10 +101,12 @@ class Decimator:
     at most a few points per pixel column (:meth:`series`). ``kept`` is False for points a later
     row went back over (a rollback or fallback replayed them)."""
 
-    def __init__(self, keys: Sequence[str], *, raw_limit: int = RAW_LIMIT, buckets: int = BUCKETS):
+    def __init__(
+        self, keys: Sequence[str], *, raw_limit: int | None = None, buckets: int | None = None
+    ) -> None:
         self.keys = tuple(keys)
-        self.raw_limit = raw_limit
-        self.buckets = buckets
+        self.raw_limit = RAW_LIMIT if raw_limit is None else raw_limit
+        self.buckets = BUCKETS if buckets is None else buckets
         self.raw: list[tuple[float, tuple[float, ...]]] | None = []
         self.count = 0  # points fed
         self.width = 1.0
@@ -159,12 +161,29 @@ class Decimator:
         b = self.main.get(idx)
         if b is None:
             self.main[idx] = [step, step, [_new_stat(step, v) for v in values]]
-        else:
-            b[0] = min(b[0], step)
-            b[1] = max(b[1], step)
-            for st, v in zip(b[2], values, strict=True):
-                _add_stat(st, step, v)
-        self.last = max(self.last, step)
+        else:  # the common case, inlined (_add_stat): this runs once per row and key
+            if step < b[0]:
+                b[0] = step
+            if step > b[1]:
+                b[1] = step
+            for st, v in zip(b[2], values):  # noqa: B905 - one value per key
+                if v != v or st[0] is None:
+                    _add_stat(st, step, v)
+                    continue
+                if step < st[0]:
+                    st[0] = step
+                    st[1] = v
+                if step >= st[2]:
+                    st[2] = step
+                    st[3] = v
+                if v < st[5]:
+                    st[4] = step
+                    st[5] = v
+                elif v > st[7]:
+                    st[6] = step
+                    st[7] = v
+        if step > self.last:
+            self.last = step
 
     def _double(self) -> None:
         self.width *= 2.0
@@ -255,9 +274,9 @@ class Marks:
     up to ``cap``; beyond it, one marker per bucket of an adaptive width (the lowest ``y`` of the
     bucket, at its first step) with the count it stands for. Memory is bounded by ``cap``."""
 
-    def __init__(self, cap: int = MARK_CAP, buckets: int = BUCKETS) -> None:
-        self.cap = cap
-        self.buckets = buckets
+    def __init__(self, cap: int | None = None, buckets: int | None = None) -> None:
+        self.cap = MARK_CAP if cap is None else cap
+        self.buckets = BUCKETS if buckets is None else buckets
         self.items: list[tuple[float, float, int]] | None = []  # (step, y, count)
         self.width = 1.0
         self.grouped: dict[int, list] = {}  # idx -> [step, y, count]

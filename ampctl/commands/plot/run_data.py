@@ -18,8 +18,9 @@ from ampctl.errors import UsageError
 from ampctl.runlog import BranchInfo, RunLayout, list_branches, read_json
 from ampctl.runlog.readers import iter_jsonl
 
+from . import decimate
 from .common import EVENT_STYLE, RESTORING, _num
-from .decimate import MARK_CAP, Decimator, Marks
+from .decimate import Decimator, Marks
 
 KEYS = (
     "loss",
@@ -313,7 +314,7 @@ def load_run_data(run_dir: str | Path) -> RunData:
             continue
         last_row = r
         scale = _num(r.get("scale"))
-        metrics.add(step, tuple(_num(r.get(k)) for k in KEYS))
+        metrics.add(step, [_num(r.get(k)) for k in KEYS])
         s = _num(r.get("skipped"))
         if math.isfinite(s):
             n = _skips_between(prev, s, below, above)
@@ -360,7 +361,7 @@ def load_run_data(run_dir: str | Path) -> RunData:
     data.skips_grouped = exact.is_grouped or approx.is_grouped
     if data.skips_grouped:
         notes.append(
-            f"{exact.total + approx.total} skipped steps: over {MARK_CAP} marks, drawn as one "
+            f"{exact.total + approx.total} skipped steps: over {decimate.MARK_CAP} marks, drawn as one "
             "mark per pixel column with its count"
         )
     if hist_ok:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ampctl.runlog import RunLayout, describe_lineage
 
+from . import run_data as _run_data
 from .common import (
     EVENT_STYLE,
     RESTORING,
@@ -20,7 +21,7 @@ from .common import (
     _save,
     _split_kept,
 )
-from .run_data import EVENT_CAP, RunData, branch_loss, load_run_data
+from .run_data import RunData, branch_loss, load_run_data
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -184,7 +185,7 @@ def _scale_panel(ax_scale, data: RunData) -> None:
         )
     for m in counted[:_MAX_COUNTS]:  # the largest counts, when there are many
         ax_scale.annotate(
-            str(m.count),
+            _fmt_count(m.count),
             (m.step, m.scale),
             textcoords="offset points",
             xytext=(4, 4),
@@ -196,6 +197,10 @@ def _scale_panel(ax_scale, data: RunData) -> None:
 
 
 _MAX_COUNTS = 100  # count labels drawn beside skip marks (the largest first)
+
+
+def _fmt_count(n: int) -> str:
+    return str(n) if n < 1_000_000 else f"{n:.3g}"
 
 
 def _rate_panel(ax_rate, data: RunData) -> None:
@@ -341,7 +346,7 @@ def _reduced_note(data: RunData) -> str | None:
     if data.decimated:
         parts.append(f"{data.rows_read:,} rows drawn as first/min/max/last per pixel column")
     if data.event_marks:
-        parts.append(f"guard decisions beyond {EVENT_CAP} grouped per pixel column")
+        parts.append(f"guard decisions beyond {_run_data.EVENT_CAP} grouped per pixel column")
     return "; ".join(parts) if parts else None
 
 

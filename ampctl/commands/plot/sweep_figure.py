@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ampctl.errors import UsageError
-from ampctl.runlog.readers import load_json
+from ampctl.runlog.readers import RunFileError, load_json
 
 from .common import _check_out, _fmt_scale, _mpl, _save, _split_kept
 from .run_data import load_run_data
@@ -30,7 +30,13 @@ def _sweep_rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] |
     # out of the folder or a non-regular file is one line, never read): ampctl sweep-scale
     # writes ~0.5 KB per trial, so the cap holds ~10^5 trials, far past any grid a figure can
     # show, and the heat map needs every trial at once anyway.
-    obj = load_json(path)
+    try:
+        obj = load_json(path)
+    except RunFileError as e:
+        raise UsageError(
+            f"{str(path)!r}: {e.reason} (results.json is one JSON document, read whole; "
+            "ampctl sweep-scale writes a few KB per trial)"
+        ) from None
     tie = None
     if isinstance(obj, dict):
         rec = obj.get("recommendation")
