@@ -154,10 +154,37 @@ def test_a_sweep_trial_named_outside_the_sweep_is_not_opened(tmp_path, monkeypat
         ([row(4, scale="x"), row("x")], [{"step": "inf", "kind": "fallback"}]),
         ([row(4)], [{"step": 4, "kind": "rollback", "from_step": [1], "discarded_steps": "x"}]),
         ([row(4)], [{"step": 4, "kind": 7}, {"step": 4, "kind": "overflow", "overflow": []}]),
+        ([row(4), row(10**400, loss=10**400)], []),  # JSON ints past float's range
+        (
+            [
+                row(4),
+                row(
+                    8,
+                    loss=1e308,
+                    overflow_rate=1e308,
+                    grad_norm=1e308,
+                    scale=1e308,
+                    grad_underflow_frac=1e308,
+                    act_grad_underflow_frac=-1e308,
+                ),
+            ],
+            [{"step": 1e308, "kind": "rollback", "to_step": 1e308, "from_step": -1e308}],
+        ),  # fmt: skip
     ],
-    ids=["to_step-x", "skipped-inf", "skipped-huge", "step-x", "from_step-list", "kind-int"],
+    ids=[
+        "to_step-x",
+        "skipped-inf",
+        "skipped-huge",
+        "step-x",
+        "from_step-list",
+        "kind-int",
+        "int-10e400",
+        "all-1e308",
+    ],
 )
 def test_values_that_are_not_numbers_are_missing_not_a_traceback(tmp_path, rows, events):
+    """What a quick fuzz of every row, event and summary field with "x", "inf", "nan", null,
+    true, [], {}, +-1e308 and 10**400 found crashing (each case once a traceback)."""
     d = write_run(tmp_path / "r", rows, events)
     plot_ok(d, tmp_path)
 

@@ -49,7 +49,10 @@ def _num(v: Any) -> float:
     """A value from a run file as a float; missing or not a number -> NaN."""
     if type(v) is float:  # the common case first: this runs for every value of every row
         return v
-    x = as_number(v)
+    try:
+        x = as_number(v)
+    except OverflowError:  # an int past float's range (JSON allows 10**400)
+        return math.nan
     return math.nan if x is None else x
 
 

@@ -316,7 +316,7 @@ def load_run_data(run_dir: str | Path) -> RunData:
         scale = _num(r.get("scale"))
         metrics.add(step, [_num(r.get(k)) for k in KEYS])
         s = _num(r.get("skipped"))
-        if math.isfinite(s):
+        if s != prev and math.isfinite(s):  # the counter moved (rare): skips to mark
             n = _skips_between(prev, s, below, above)
             if n > 0:
                 approx.add(step, scale, n)

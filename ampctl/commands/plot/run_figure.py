@@ -196,6 +196,12 @@ def _scale_panel(ax_scale, data: RunData) -> None:
     ax_scale.set_ylabel("loss scale (log2)")
 
 
+def _ylim(ax, lo: float, hi: float) -> None:
+    """Set y limits a run file's values chose, unless they are not finite (1e308 * 1.25)."""
+    if math.isfinite(lo) and math.isfinite(hi) and lo < hi:
+        ax.set_ylim(lo, hi)
+
+
 _MAX_COUNTS = 100  # count labels drawn beside skip marks (the largest first)
 
 
@@ -207,7 +213,8 @@ def _rate_panel(ax_rate, data: RunData) -> None:
     """3) overflow rate over the window, overflow events as ticks along the bottom."""
     xs, ys, kept = data.series("overflow_rate")
     _draw_series(ax_rate, xs, ys, kept, label="overflow rate (window)", color="tab:red")
-    ax_rate.set_ylim(-0.02, max(0.1, max((y for y in ys if math.isfinite(y)), default=0.0) * 1.15))
+    top = max((y for y in ys if math.isfinite(y)), default=0.0)
+    ax_rate.set_ylim(-0.02, min(max(0.1, top * 1.15), 1.15))  # a share of steps: at most 100%
     trans = ax_rate.get_xaxis_transform()
     for kind, color in (("gradient", "tab:red"), ("forward", "tab:purple")):
         marks = data.overflow_marks.get(kind)
@@ -266,11 +273,11 @@ def _underflow_scale(ax_uf, values: list[float]) -> None:
     top = max(values, default=0.0)
     if pos and max(pos) / min(pos) > 10:
         ax_uf.set_yscale("log")
-        ax_uf.set_ylim(min(pos) / 4, max(pos) * 2)
+        _ylim(ax_uf, min(pos) / 4, max(pos) * 2)
         ax_uf.yaxis.set_minor_formatter(NullFormatter())
         ax_uf.set_ylabel("underflow fraction (log)")
     else:
-        ax_uf.set_ylim(0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
+        _ylim(ax_uf, 0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
         ax_uf.set_ylabel("underflow fraction")
     ax_uf.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y * 100:.3g}%"))
 
