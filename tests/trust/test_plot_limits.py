@@ -74,17 +74,20 @@ def test_a_scaler_history_claiming_1e12_updates_is_not_walked(tmp_path):
 
 
 def test_a_history_of_non_numbers_or_out_of_order_records_is_ignored(tmp_path):
-    for name, hist in {
-        "nan": [[1.0, 1024.0, 0.0], [math.nan, 512.0, 1.0], [3.0, math.inf, 1.0]],
-        "backwards": [[5.0, 1024.0, 0.0], [2.0, 512.0, 1.0]],
-        "fraction": [[1.5, 1024.0, 0.0]],
+    """Each history below adds up to the checkpoint's step but one record is not a number, out
+    of order or not a whole update: the exact skips are not taken from it."""
+    for name, (hist, step) in {
+        "inf": ([[1.0, 1024.0, 0.0], [2.0, math.inf, 1.0]], 2),
+        "nan": ([[1.0, 1024.0, 0.0], [2.0, 512.0, math.nan]], 2),
+        "backwards": ([[1.0, 1024.0, 0.0], [3.0, 512.0, 1.0], [2.0, 512.0, 0.0]], 2),
+        "fraction": ([[1.5, 1024.0, 1.0]], 1),
     }.items():
-        d = write_run(tmp_path / name, [row(4), row(8, skipped=1)])
+        d = write_run(tmp_path / name, [row(1), row(2, skipped=1)])
         (d / "checkpoints").mkdir()
-        state = {"step": 8, "scaler": {"history": torch.tensor(hist, dtype=torch.float64)}}
-        torch.save(state, d / "checkpoints" / "step_00000008.pt")
+        state = {"step": step, "scaler": {"history": torch.tensor(hist, dtype=torch.float64)}}
+        torch.save(state, d / "checkpoints" / f"step_{step:08d}.pt")
         assert load_run_data(d).skip_source == "metrics", name
-        plot_ok(d, tmp_path)
+    plot_ok(d, tmp_path)
 
 
 def test_an_events_file_of_empty_objects_is_streamed_not_kept(tmp_path):
@@ -164,7 +167,7 @@ def test_a_sweep_trial_named_outside_the_sweep_is_not_opened(tmp_path, monkeypat
                     overflow_rate=1e308,
                     grad_norm=1e308,
                     scale=1e308,
-                    grad_underflow_frac=1e308,
+                    grad_underflow_frac=1.7e308,  # x 1.25 is inf
                     act_grad_underflow_frac=-1e308,
                 ),
             ],
@@ -184,7 +187,7 @@ def test_a_sweep_trial_named_outside_the_sweep_is_not_opened(tmp_path, monkeypat
 )
 def test_values_that_are_not_numbers_are_missing_not_a_traceback(tmp_path, rows, events):
     """What a quick fuzz of every row, event and summary field with "x", "inf", "nan", null,
-    true, [], {}, +-1e308 and 10**400 found crashing (each case once a traceback)."""
+    true, [], {}, +-1e308, 1.7e308 and 10**400 found crashing (each case once a traceback)."""
     d = write_run(tmp_path / "r", rows, events)
     plot_ok(d, tmp_path)
 
