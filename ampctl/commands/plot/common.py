@@ -56,6 +56,16 @@ def _num(v: Any) -> float:
     return math.nan if x is None else x
 
 
+DRAWABLE = 1e300  # past this a finite value breaks matplotlib's ranges (1.7e308 * margins)
+
+
+def _dnum(v: Any) -> float:
+    """A value from a run file as a float to draw: NaN when missing, not a number, infinite or
+    beyond +-DRAWABLE (no axis can hold it; it is a gap, as a NaN is)."""
+    x = _num(v)
+    return x if -DRAWABLE <= x <= DRAWABLE else math.nan
+
+
 def _kept(steps: list[float]) -> list[bool]:
     """Which points of a step sequence (in file order) survived: a point is abandoned when a
     later point has the same or an earlier step (a rollback or fallback went back over it)."""

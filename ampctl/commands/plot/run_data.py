@@ -19,7 +19,7 @@ from ampctl.runlog import BranchInfo, RunLayout, list_branches, read_json
 from ampctl.runlog.readers import iter_jsonl
 
 from . import decimate
-from .common import EVENT_STYLE, RESTORING, _num
+from .common import EVENT_STYLE, RESTORING, _dnum, _num
 from .decimate import Decimator, Marks
 
 KEYS = (
@@ -133,7 +133,7 @@ class _Events:
         self._last_overflow: int | None = None
 
     def add(self, ev: dict[str, Any]) -> None:
-        step = _num(ev.get("step"))
+        step = _dnum(ev.get("step"))
         if not math.isfinite(step):
             return
         kind = ev.get("kind")
@@ -247,9 +247,9 @@ def _skips_between(
 def _stream_branch_loss(path: Path) -> Decimator:
     dec = Decimator(("loss",))
     for r in iter_jsonl(path):
-        s = _num(r.get("step"))
+        s = _dnum(r.get("step"))
         if math.isfinite(s):
-            dec.add(s, (_num(r.get("loss")),))
+            dec.add(s, (_dnum(r.get("loss")),))
     return dec
 
 
@@ -302,6 +302,7 @@ def load_run_data(run_dir: str | Path) -> RunData:
         def feed_history() -> None:
             for u, scale, sk in hist:
                 t = tmap(int(u))
+                scale = _dnum(scale)
                 scale_line.add(t, (scale,))
                 if sk > 0:
                     exact.add(t, scale)
@@ -309,12 +310,12 @@ def load_run_data(run_dir: str | Path) -> RunData:
         below = above = math.inf
     prev = 0.0
     for r in m_stream:
-        step = _num(r.get("step"))
+        step = _dnum(r.get("step"))
         if not math.isfinite(step):
             continue
         last_row = r
-        scale = _num(r.get("scale"))
-        metrics.add(step, [_num(r.get(k)) for k in KEYS])
+        scale = _dnum(r.get("scale"))
+        metrics.add(step, [_dnum(r.get(k)) for k in KEYS])
         s = _num(r.get("skipped"))
         if s != prev and math.isfinite(s):  # the counter moved (rare): skips to mark
             n = _skips_between(prev, s, below, above)
