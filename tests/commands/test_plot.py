@@ -490,3 +490,118 @@ def test_tensorboard_sink_writes_scalars_and_events(run, tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert make_tensorboard_sink(tmp_path, enabled=True) == TB_HINT
+
+
+# --- long runs: one streaming pass, reduced to the figure's resolution (#35) ---
+
+
+@pytest.fixture
+def small_figure(monkeypatch):
+    """The reduction's limits made small (rows kept as they are, buckets, marks), so a few
+    thousand rows show what 10^6 rows do at the real limits."""
+    from ampctl.commands.plot import decimate
+
+    monkeypatch.setattr(decimate, "RAW_LIMIT", 200)
+    monkeypatch.setattr(decimate, "BUCKETS", 100)
+    monkeypatch.setattr(decimate, "MARK_CAP", 20)
+    return decimate
+
+
+def long_rows(n, spike=1234, dip=2345, gap=777, rollback=(2000, 1900)):
+    """``n`` rows at steps 1..n (a rollback at ``rollback[0]`` back to ``rollback[1]``, whose
+    rows are logged again), a loss spike, a dip and a NaN; one skipped step every 10 rows."""
+    out, i, skipped, back_done = [], 1, 0, False
+    while i <= n:
+        loss = 3.0 + math.sin(i / 50.0) * 0.1
+        loss = 100.0 if i == spike else -50.0 if i == dip else math.nan if i == gap else loss
+        skipped += i % 10 == 0
+        out.append(row(i, loss, skipped=skipped, grad_norm=1.0 + (i % 7) * 0.01))
+        if i == rollback[0] and not back_done:
+            back_done, i = True, rollback[1]
+        i += 1
+    return out
+
+
+@needs_mpl
+def test_a_long_run_is_drawn_per_pixel_column_keeping_every_extreme(tmp_path, small_figure):
+    rows = long_rows(3000)
+    d = write_run(tmp_path / "long", rows)
+    data = load_run_data(d)
+    assert data.decimated and data.rows_read == len(rows)
+    xs, ys, kept = data.series("loss")
+    assert len(xs) <= 5 * 2 * small_figure.BUCKETS < len(rows)
+    pairs = {(r["step"], r["loss"]) for r in rows}
+    assert all((x, y) in pairs for x, y in zip(xs, ys, strict=True) if y == y)  # real points
+    kx = [x for x, k in zip(xs, kept, strict=True) if k]
+    assert kx == sorted(set(kx))  # the kept line runs forward
+    assert (1234, 100.0) in zip(xs, ys, strict=True)  # the spike and the dip survive
+    assert (2345, -50.0) in zip(xs, ys, strict=True)
+    assert any(x == 777 and y != y for x, y in zip(xs, ys, strict=True))  # the gap stays
+    gone = [x for x, k in zip(xs, kept, strict=True) if not k]
+    assert gone and all(1900 <= x <= 2000 for x in gone)  # the rolled-back rows, drawn apart
+
+    fig = build_run_figure(d)
+    ax_loss, ax_scale = fig.axes[:2]
+    assert ax_loss.get_title(loc="right") == (
+        "3,100 rows drawn as first/min/max/last per pixel column"
+    )
+    assert by_gid(ax_loss, "abandoned")
+    # 310 log intervals with a skip: over the cap of 20, one mark per column with its count
+    (marks,) = by_gid(ax_scale, "skips-interval")
+    assert len(marks.get_xdata()) <= small_figure.BUCKETS
+    assert sum(m.count for m in data.skips) == 310 and data.skips_grouped
+    assert ax_scale.get_title(loc="right").endswith("grouped per pixel column (counts)")
+
+
+@needs_mpl
+def test_an_ordinary_run_is_drawn_from_every_row(tmp_path):
+    rows = long_rows(1500, rollback=(1000, 990))  # under the 2,000 rows kept as they are
+    d = write_run(tmp_path / "r", rows)
+    data = load_run_data(d)
+    assert not data.decimated
+    xs, ys, kept = data.series("loss")
+    assert xs == [r["step"] for r in rows]
+    assert build_run_figure(d).axes[0].get_title(loc="right") == ""
+
+
+def test_the_reduced_series_is_bounded_whatever_the_length():
+    """At the real limits: 20,000 or 200,000 points (with rollbacks) hold the same few
+    thousand, and every extreme is among them."""
+    from ampctl.commands.plot.decimate import BUCKETS, Decimator
+
+    held = []
+    for n in (20_000, 200_000):
+        dec = Decimator(("v",))
+        for i in range(n):
+            v = 10.0 if i == n // 3 else -10.0 if i == 2 * n // 3 else math.sin(i)
+            dec.add(float(i - 300 if i % 5000 == 4999 else i), (v,))
+        held.append(dec.points())
+        xs, ys, _k = dec.series("v")
+        assert (n // 3, 10.0) in zip(xs, ys, strict=True)
+        assert (2 * n // 3, -10.0) in zip(xs, ys, strict=True)
+    assert max(held) <= 5 * 2 * BUCKETS, held
+
+
+@needs_mpl
+def test_guard_decisions_beyond_the_cap_are_grouped_per_column(tmp_path, monkeypatch):
+    from ampctl.commands.plot import run_data
+
+    monkeypatch.setattr(run_data, "EVENT_CAP", 5)
+    events = [{"step": 2 * i, "kind": "promotion", "module": f"m{i}"} for i in range(1, 101)]
+    d = write_run(tmp_path / "r", [row(1, 3.0), row(200, 2.0)], events)
+    fig = build_run_figure(d)
+    ax_loss = fig.axes[0]
+    assert len(by_gid(ax_loss, "event:promotion")) == 5
+    grouped = by_gid(ax_loss, "events:promotion")
+    assert 0 < len(grouped) <= 95
+    assert grouped[0].get_label() == "promotion (95 more, grouped per pixel column)"
+    assert "guard decisions beyond 5 grouped per pixel column" in ax_loss.get_title(loc="right")
+
+
+@needs_mpl
+def test_the_cli_prints_what_could_not_be_read_as_notes(tmp_path):
+    d = write_run(tmp_path / "r", [row(1, 3.0), row(2, 2.0)], tail="not json\n")
+    res = runner.invoke(app, ["plot", str(d), "--out", str(tmp_path / "x.png")])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == f"wrote {tmp_path / 'x.png'}"
+    assert res.stderr.strip() == f"note: {d / 'metrics.jsonl'}: skipped 1 unreadable line(s) (3)"

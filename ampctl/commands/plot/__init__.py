@@ -15,6 +15,12 @@ another machine. Skipped steps come from that history (exact steps) when the che
 and agrees with the events; otherwise from differences of the cumulative ``skipped`` counter in
 the metrics (one marker per log interval that had skips).
 
+Each file is read in one streaming pass and reduced to the figure's resolution (``decimate``):
+a run of any length draws every row up to 2,000, beyond that first/min/max/last per pixel
+column, skip marks and events one by one up to a cap and then counted per column, memory
+bounded by the figure, never by the run. Values that are not numbers are gaps; a sweep's trial
+names may only point inside the sweep folder.
+
 Nothing here touches a device: checkpoints are memory-mapped on the CPU. matplotlib is imported
 lazily and only its Agg canvas is used (no pyplot, no display); without matplotlib the
 functions raise :class:`PlotUnavailable` with an install hint, and :func:`maybe_plot_run` (what
@@ -23,6 +29,7 @@ functions raise :class:`PlotUnavailable` with an install hint, and :func:`maybe_
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ampctl.errors import UsageError
@@ -80,6 +87,9 @@ def run_plot(path: Path, out: Path | None = None, baseline: Path | list[Path] | 
             )
         written = plot_sweep(path, out)
     else:
-        written = plot_run(path, out, baseline=baseline)
+        notes: list[str] = []
+        written = plot_run(path, out, baseline=baseline, notes=notes)
+        for line in notes:
+            print(f"note: {line}", file=sys.stderr)
     print(f"wrote {written}")
     return 0

@@ -47,8 +47,23 @@ def _mpl():
 
 def _num(v: Any) -> float:
     """A value from a run file as a float; missing or not a number -> NaN."""
-    x = as_number(v)
+    if type(v) is float:  # the common case first: this runs for every value of every row
+        return v
+    try:
+        x = as_number(v)
+    except OverflowError:  # an int past float's range (JSON allows 10**400)
+        return math.nan
     return math.nan if x is None else x
+
+
+DRAWABLE = 1e300  # past this a finite value breaks matplotlib's ranges (1.7e308 * margins)
+
+
+def _dnum(v: Any) -> float:
+    """A value from a run file as a float to draw: NaN when missing, not a number, infinite or
+    beyond +-DRAWABLE (no axis can hold it; it is a gap, as a NaN is)."""
+    x = _num(v)
+    return x if -DRAWABLE <= x <= DRAWABLE else math.nan
 
 
 def _kept(steps: list[float]) -> list[bool]:

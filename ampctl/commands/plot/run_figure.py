@@ -7,21 +7,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampctl.runlog import RunLayout, describe_lineage, read_jsonl
+from ampctl.runlog import RunLayout, describe_lineage
 
+from . import run_data as _run_data
 from .common import (
     EVENT_STYLE,
     RESTORING,
     _check_out,
     _draw_series,
     _fmt_scale,
-    _kept,
     _mpl,
     _num,
     _save,
     _split_kept,
 )
-from .run_data import RunData, load_run_data
+from .run_data import RunData, branch_loss, load_run_data
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _title(data: RunData) -> str:
     s = data.summary or {}
-    last = data.rows[-1]
+    last = data.last_row
     steps = s.get("steps", last.get("step"))
     mx = s.get("max_steps", last.get("max_steps"))
     skipped = s.get("skipped", last.get("skipped"))
@@ -44,14 +44,16 @@ def _title(data: RunData) -> str:
         parts.append(f"final scale {_fmt_scale(_num(scale))}")
     promoted = s.get("promoted_modules")
     if promoted:
-        parts.append("promoted to fp32: " + ", ".join(promoted))
+        names = promoted if isinstance(promoted, list) else [promoted]
+        parts.append("promoted to fp32: " + ", ".join(str(p) for p in names))
     lineage = describe_lineage(RunLayout(data.run_dir))
     return " | ".join(parts) + ("" if lineage == "main line" else f"\n{lineage}")
 
 
 def _event_lines(axes, data: RunData) -> None:
     """Vertical markers for guard decisions on every panel; the replayed range of each
-    rollback/fallback lightly shaded."""
+    rollback/fallback lightly shaded. Beyond EVENT_CAP decisions, one fainter line per pixel
+    column and kind (its legend entry says how many it stands for)."""
     restore_iter = iter(data.restores)
     for ev in data.events:
         kind = ev.get("kind")
@@ -75,6 +77,20 @@ def _event_lines(axes, data: RunData) -> None:
             )
             if span is not None and span[0] < span[1]:
                 ax.axvspan(span[0], span[1], color=color, alpha=0.07, linewidth=0)
+    for kind, marks in data.event_marks.items():
+        color, ls = EVENT_STYLE[kind]
+        label = f"{kind} ({marks.total} more, grouped per pixel column)"
+        for i, ax in enumerate(axes):
+            for j, (x, _y, _n) in enumerate(marks.marks()):
+                ax.axvline(
+                    x,
+                    color=color,
+                    linestyle=ls,
+                    linewidth=0.8,
+                    alpha=0.5,
+                    label=label if i == 0 and j == 0 else None,
+                    gid=f"events:{kind}",
+                )
 
 
 # Baseline lines, in --baseline order: the first black as before, then distinct colours.
@@ -113,14 +129,13 @@ def _loss_panel(ax_loss, data: RunData, bases: list[RunData], branches: bool) ->
 def _branch_losses(ax_loss, data: RunData) -> None:
     """The loss of each branch a resume set aside (``branches/``), dotted, from its fork."""
     for b in data.branches:
-        rows = [
-            r for r in read_jsonl(RunLayout(b.path).metrics) if math.isfinite(_num(r.get("step")))
-        ]
-        before = [r for r in data.rows if _num(r.get("step")) <= b.forked_at_step]
-        pts = ([before[-1]] if before else []) + rows
+        xs, ys, _ = branch_loss(b).series("loss")
+        fork = data.metrics.last_at_or_before("loss", b.forked_at_step)
+        if fork is not None:
+            xs, ys = [fork[0], *xs], [fork[1], *ys]
         ax_loss.plot(
-            [_num(r.get("step")) for r in pts],
-            [_num(r.get("loss")) for r in pts],
+            xs,
+            ys,
             color="tab:gray",
             linestyle=(0, (1, 1.5)),
             linewidth=1.2,
@@ -131,11 +146,12 @@ def _branch_losses(ax_loss, data: RunData) -> None:
 
 def _scale_panel(ax_scale, data: RunData) -> None:
     """2) loss scale (log2) and the skipped steps."""
+    sx, sy, sk = data.scale_series()
     _draw_series(
         ax_scale,
-        data.scale_steps,
-        data.scale_values,
-        _kept(data.scale_steps),
+        sx,
+        sy,
+        sk,
         label="loss scale",
         color="tab:green",
         step=True,
@@ -143,6 +159,7 @@ def _scale_panel(ax_scale, data: RunData) -> None:
     )
     exact = [m for m in data.skips if m.exact]
     approx = [m for m in data.skips if not m.exact]
+    counted = sorted((m for m in data.skips if m.count > 1), key=lambda m: -m.count)
     if exact:
         ax_scale.plot(
             [m.step for m in exact],
@@ -166,33 +183,44 @@ def _scale_panel(ax_scale, data: RunData) -> None:
             label="skips in log interval (count)",
             gid="skips-interval",
         )
-        for m in approx:
-            if m.count > 1:
-                ax_scale.annotate(
-                    str(m.count),
-                    (m.step, m.scale),
-                    textcoords="offset points",
-                    xytext=(4, 4),
-                    fontsize=7,
-                    color="tab:red",
-                )
+    for m in counted[:_MAX_COUNTS]:  # the largest counts, when there are many
+        ax_scale.annotate(
+            _fmt_count(m.count),
+            (m.step, m.scale),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=7,
+            color="tab:red",
+        )
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale (log2)")
+
+
+def _ylim(ax, lo: float, hi: float) -> None:
+    """Set y limits a run file's values chose, unless they are not finite (1e308 * 1.25)."""
+    if math.isfinite(lo) and math.isfinite(hi) and lo < hi:
+        ax.set_ylim(lo, hi)
+
+
+_MAX_COUNTS = 100  # count labels drawn beside skip marks (the largest first)
+
+
+def _fmt_count(n: int) -> str:
+    return str(n) if n < 1_000_000 else f"{n:.3g}"
 
 
 def _rate_panel(ax_rate, data: RunData) -> None:
     """3) overflow rate over the window, overflow events as ticks along the bottom."""
     xs, ys, kept = data.series("overflow_rate")
     _draw_series(ax_rate, xs, ys, kept, label="overflow rate (window)", color="tab:red")
-    ax_rate.set_ylim(-0.02, max(0.1, max((y for y in ys if math.isfinite(y)), default=0.0) * 1.15))
+    top = max((y for y in ys if math.isfinite(y)), default=0.0)
+    ax_rate.set_ylim(-0.02, min(max(0.1, top * 1.15), 1.15))  # a share of steps: at most 100%
     trans = ax_rate.get_xaxis_transform()
     for kind, color in (("gradient", "tab:red"), ("forward", "tab:purple")):
-        steps = [
-            _num(e.get("step"))
-            for e in data.events
-            if e.get("kind") == "overflow" and e.get("overflow", "gradient") == kind
-        ]
+        marks = data.overflow_marks.get(kind)
+        steps = [x for x, _y, _n in marks.marks()] if marks is not None else []
         if steps:
+            grouped = " per pixel column" if marks.is_grouped else ""
             ax_rate.plot(
                 steps,
                 [0.0] * len(steps),
@@ -201,7 +229,7 @@ def _rate_panel(ax_rate, data: RunData) -> None:
                 marker="|",
                 markersize=10,
                 color=color,
-                label=f"overflow event ({kind})",
+                label=f"overflow event ({kind}){grouped}",
                 gid=f"overflow:{kind}",
                 clip_on=False,
             )
@@ -245,11 +273,11 @@ def _underflow_scale(ax_uf, values: list[float]) -> None:
     top = max(values, default=0.0)
     if pos and max(pos) / min(pos) > 10:
         ax_uf.set_yscale("log")
-        ax_uf.set_ylim(min(pos) / 4, max(pos) * 2)
+        _ylim(ax_uf, min(pos) / 4, max(pos) * 2)
         ax_uf.yaxis.set_minor_formatter(NullFormatter())
         ax_uf.set_ylabel("underflow fraction (log)")
     else:
-        ax_uf.set_ylim(0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
+        _ylim(ax_uf, 0.0, top * 1.25 if top > 0 else 1e-3)  # a fraction: anchored at 0
         ax_uf.set_ylabel("underflow fraction")
     ax_uf.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y * 100:.3g}%"))
 
@@ -302,6 +330,7 @@ def build_run_figure(
                 labels.append(lab)
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(_title(data), fontsize=10)
+    fig.ampctl_notes = list(data.notes)  # what could not be read or is drawn grouped
     src = {
         "history": "exact steps (checkpoint scaler history)",
         "metrics": "per log interval (metrics.jsonl)",
@@ -309,19 +338,38 @@ def build_run_figure(
     note = "skipped steps: " + src.get(
         data.skip_source, "exact steps, plus per log interval where the history ends"
     )
+    if data.skips_grouped:
+        note += "; grouped per pixel column (counts)"
     ax_scale.set_title(note, loc="right", fontsize=7, color="gray", pad=2)
+    reduced = _reduced_note(data)
+    if reduced:
+        ax_loss.set_title(reduced, loc="right", fontsize=7, color="gray", pad=2)
     return fig
+
+
+def _reduced_note(data: RunData) -> str | None:
+    """The small line saying the figure shows less than every row, or None when it does not."""
+    parts = []
+    if data.decimated:
+        parts.append(f"{data.rows_read:,} rows drawn as first/min/max/last per pixel column")
+    if data.event_marks:
+        parts.append(f"guard decisions beyond {_run_data.EVENT_CAP} grouped per pixel column")
+    return "; ".join(parts) if parts else None
 
 
 def plot_run(
     run_dir: str | Path,
     out: str | Path | None = None,
     baseline: str | Path | Sequence[str | Path] | None = None,
+    notes: list[str] | None = None,
 ) -> Path:
     """Draw a run folder into ``out`` (default ``<run>/plot.png``); returns the path. Written
-    atomically (a temp file renamed over the target)."""
+    atomically (a temp file renamed over the target). ``notes``, when given, receives one line
+    per thing that could not be read or is drawn grouped."""
     run_dir = Path(run_dir)
     if out is not None:
         _check_out(Path(out))  # before any drawing
     fig = build_run_figure(run_dir, baseline=baseline)
+    if notes is not None:
+        notes.extend(fig.ampctl_notes)
     return _save(fig, Path(out) if out is not None else run_dir / "plot.png")

@@ -3,15 +3,15 @@ and loss trajectories."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ampctl.errors import UsageError
+from ampctl.runlog.readers import RunFileError, load_json
 
-from .common import _check_out, _fmt_scale, _kept, _mpl, _save, _split_kept
+from .common import _check_out, _fmt_scale, _mpl, _save, _split_kept
 from .run_data import load_run_data
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -19,16 +19,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SWEEP_METRICS = ("loss_gap", "final_loss", "skipped", "overflow_rate", "wall_time_s")
 _OK = ("ok",)
+MAX_CELLS = 1024  # heat-map cells (init_scale x growth_interval); a sweep grid is ~5 x 4
+MAX_TRAJECTORIES = 100  # trial folders drawn in the trajectory panels
 
 
 def _sweep_rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """results.json's trial rows, and the recommendation's tie record when it has one."""
     path = sweep_dir / "results.json"
+    # One JSON document, read whole under the whole-file cap (load_json: a larger file, a link
+    # out of the folder or a non-regular file is one line, never read): ampctl sweep-scale
+    # writes ~0.5 KB per trial, so the cap holds ~10^5 trials, far past any grid a figure can
+    # show, and the heat map needs every trial at once anyway.
     try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        obj = load_json(path)
+    except RunFileError as e:
         raise UsageError(
-            f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); it is written by ampctl sweep-scale"
+            f"{str(path)!r}: {e.reason} (results.json is one JSON document, read whole; "
+            "ampctl sweep-scale writes a few KB per trial)"
         ) from None
     tie = None
     if isinstance(obj, dict):
@@ -107,13 +114,20 @@ def _grid(rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]], metric: s
     metric = _pick_metric(rows, metric)
     inits = sorted({float(r["init_scale"]) for r in grid_rows})
     grows = sorted({int(r["growth_interval"]) for r in grid_rows})
+    if len(inits) * len(grows) > MAX_CELLS:
+        raise UsageError(
+            f"results.json: {len(inits)} init_scale x {len(grows)} growth_interval values make "
+            f"{len(inits) * len(grows)} cells; a sweep figure draws at most {MAX_CELLS}"
+        )
+    gi = {g: i for i, g in enumerate(grows)}
+    ii = {v: j for j, v in enumerate(inits)}
     z = np.full((len(grows), len(inits)), np.nan)
     raw = np.full_like(z, np.nan)
     status = [["" for _ in inits] for _ in grows]
     per_cell: dict[tuple[int, int], int] = {}
     ranked_first = None
     for r in grid_rows:
-        i, j = grows.index(int(r["growth_interval"])), inits.index(float(r["init_scale"]))
+        i, j = gi[int(r["growth_interval"])], ii[float(r["init_scale"])]
         per_cell[i, j] = per_cell.get((i, j), 0) + 1
         if r.get("rank") == 1:
             ranked_first = (i, j)
@@ -264,11 +278,19 @@ def _trajectory_panels(ax_sc, ax_ls, rows: list[dict[str, Any]], g: _Grid, sweep
         )
     }
     styles = {g: s for g, s in zip(grows, ["-", "--", ":", "-."] * 10, strict=False)}
-    drawn = 0
+    drawn, outside, more = 0, 0, 0
     for r in rows:
-        tdir = sweep_dir / str(r.get("trial", ""))
-        if not r.get("trial") or not (tdir / "metrics.jsonl").is_file():
+        if not r.get("trial"):
+            continue
+        tdir = _trial_dir(sweep_dir, r["trial"])
+        if tdir is None:
+            outside += 1  # results.json may only name folders inside the sweep
+            continue
+        if not (tdir / "metrics.jsonl").is_file():
             continue  # a copied sweep without its trial folders still gets the heat map
+        if drawn >= MAX_TRAJECTORIES:
+            more += 1
+            continue
         try:
             tdata = load_run_data(tdir)  # per-step scale and exact skips when it has a checkpoint
         except UsageError:
@@ -276,14 +298,16 @@ def _trajectory_panels(ax_sc, ax_ls, rows: list[dict[str, Any]], g: _Grid, sweep
         xs, loss, kept = tdata.series("loss")
         kx, ky, _ = _split_kept(xs, loss, kept)
         mk = "o" if len(kx) <= 40 else None
-        if r.get("kind", "trial") == "baseline" or not _is_num(r.get("init_scale")):
+        if r.get("kind", "trial") == "baseline" or not (
+            _is_num(r.get("init_scale")) and _is_num(r.get("growth_interval"))
+        ):
             ax_ls.plot(
                 kx, ky, color="black", linestyle="--", linewidth=1.4, zorder=3,
                 label=f"{r['trial']} (baseline)",
             )  # fmt: skip
             continue
         c, ls = colors[float(r["init_scale"])], styles[int(r["growth_interval"])]
-        sx, sy, _ = _split_kept(tdata.scale_steps, tdata.scale_values, _kept(tdata.scale_steps))
+        sx, sy, _ = _split_kept(*tdata.scale_series())
         ax_sc.plot(
             sx, sy, color=c, linestyle=ls, drawstyle="steps-post", linewidth=1.3,
             label=str(r["trial"]), gid=f"trial:{r['trial']}",
@@ -317,6 +341,10 @@ def _trajectory_panels(ax_sc, ax_ls, rows: list[dict[str, Any]], g: _Grid, sweep
         if drawn
         else "scale trajectories (no trial folders)"
     )
+    if more:
+        title += f"; {more} more trials not drawn (at most {MAX_TRAJECTORIES})"
+    if outside:
+        title += f"\n{outside} trial name(s) outside the sweep folder not opened"
     ax_sc.set_title(title, fontsize=10)
     ax_ls.set_ylabel("loss")
     ax_ls.set_xlabel("step")
@@ -324,6 +352,23 @@ def _trajectory_panels(ax_sc, ax_ls, rows: list[dict[str, Any]], g: _Grid, sweep
         ax.grid(True, alpha=0.25)
     if ax_ls.get_legend_handles_labels()[0]:
         ax_ls.legend(fontsize=7, ncol=max(1, min(4, len(rows) // 4 + 1)))
+
+
+def _trial_dir(sweep_dir: Path, trial: Any) -> Path | None:
+    """The folder results.json names for a trial, or None when the name is not a plain name
+    inside the sweep folder (absolute, ``..``, a link that resolves outside it): results.json is
+    data and may not make ampctl open a run elsewhere."""
+    name = str(trial)
+    if not name or "\0" in name or Path(name).is_absolute():
+        return None
+    if any(part == ".." for part in Path(name).parts):
+        return None
+    tdir = sweep_dir / name
+    try:
+        inside = tdir.resolve().is_relative_to(sweep_dir.resolve())
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return tdir if inside else None
 
 
 def build_sweep_figure(sweep_dir: str | Path, metric: str | None = None) -> Figure:
