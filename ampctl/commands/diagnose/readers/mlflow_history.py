@@ -1,0 +1,112 @@
+"""An MLflow store as a history, through ``MlflowClient``, read-only.
+
+* a ``sqlite`` file (``mlflow.db``, ampctl's own ``mlruns.db``): opened as
+  ``sqlite:///file:PATH?mode=ro&uri=true``, so SQLite itself refuses any write (MLflow's store
+  creates tables and a default experiment in an empty database, and migrates an old one: here
+  either is refused, with one line);
+* an ``mlruns/`` file store: opened only when it already holds the default experiment
+  (``0/meta.yaml``; MLflow's file store writes one when it is missing).
+
+The newest run of the store (by start time) is read; only the metrics named in
+:data:`~.histories.METRIC_NAMES` are fetched (``get_metric_history``, one metric at a time),
+the others are listed in a note. MLflow's SQL store keeps +-inf as +-1.7976931348623157e308
+(``sys.float_info.max``): read back as inf, with a note.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ampctl.errors import first_line
+from ampctl.runlog.readers import RunFileError
+from ampctl.trust import checked_file
+
+from .base import ForeignHistory, install_hint
+from .histories import NAME_ROLES, build_history
+
+__all__ = ["read_mlflow", "store_uri"]
+
+_INF = sys.float_info.max
+
+
+def store_uri(path: Path) -> str:
+    """The read-only tracking URI of a store file or ``mlruns/`` folder. Raises
+    :class:`RunFileError` for one that may not be opened."""
+    if path.is_dir():
+        if not (path / "0" / "meta.yaml").is_file():
+            raise RunFileError(
+                path,
+                "has no default experiment (0/meta.yaml): MLflow's file store would write one, "
+                "so it is not opened",
+            )
+        return path.resolve().as_uri()
+    checked_file(path)
+    with open(path, "rb") as f:
+        if f.read(16) != b"SQLite format 3\x00":
+            raise RunFileError(path, "is not an SQLite database (an MLflow sqlite: store)")
+    return f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+
+
+def read_mlflow(path: Path) -> ForeignHistory | None:
+    """The newest run's history in an MLflow store beside a checkpoint. Without mlflow
+    installed: a history with no rows and a note. Raises :class:`RunFileError` for a store
+    that cannot be read."""
+    uri = store_uri(path)
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        return ForeignHistory(
+            source=str(path),
+            notes=[
+                f"an MLflow store found but not read: {install_hint('mlflow-skinny', 'mlflow')}"
+            ],
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            client = MlflowClient(tracking_uri=uri)
+            exps = client.search_experiments()
+            runs = client.search_runs(
+                [e.experiment_id for e in exps], max_results=1000, order_by=["start_time DESC"]
+            )
+    except Exception as e:  # noqa: BLE001 - any failure of the store: one line
+        raise RunFileError(
+            path, f"is not an MLflow store MlflowClient reads: {first_line(e)}"
+        ) from None
+    if not runs:
+        return None
+    run = runs[0]
+    keys = list(run.data.metrics)
+    notes = []
+    if len(runs) > 1:
+        notes.append(f"{len(runs)} MLflow runs in the store: the newest ({run.info.run_id}) read")
+    unknown = [k for k in keys if k not in NAME_ROLES]
+    known = [k for k in keys if NAME_ROLES.get(k) is not None]
+    flagged: list[str] = []
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for k in known:
+            for m in client.get_metric_history(run.info.run_id, k):
+                v = float(m.value)
+                if abs(v) >= _INF:
+                    v = float("inf") if v > 0 else float("-inf")
+                    if k not in flagged:
+                        flagged.append(k)
+                yield {"step": int(m.step), k: v}
+
+    try:
+        h = build_history(
+            f"{path} (MLflow run {run.info.run_id})", rows(), notes=notes, unknown=unknown
+        )
+    except Exception as e:  # noqa: BLE001
+        raise RunFileError(path, f"MLflow metric history unreadable: {first_line(e)}") from None
+    if h is not None:
+        if flagged:
+            h.notes.append(
+                f"{', '.join(flagged)}: MLflow stored +-inf as +-{_INF:.6g}; read back as inf"
+            )
+    return h
