@@ -15,6 +15,8 @@ the others are listed in a note. MLflow's SQL store keeps +-inf as +-1.797693134
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -51,6 +53,23 @@ def store_uri(path: Path) -> str:
     return f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
 
 
+@contextlib.contextmanager
+def _file_store_allowed(needed: bool) -> Iterator[None]:
+    """MLflow 3 opens a file store only with ``MLFLOW_ALLOW_FILE_STORE=true``: set while the
+    store is opened here (an existing store is read, nothing is migrated), then restored."""
+    key = "MLFLOW_ALLOW_FILE_STORE"
+    old = os.environ.get(key)
+    if needed:
+        os.environ[key] = "true"
+    try:
+        yield
+    finally:
+        if needed and old is None:
+            os.environ.pop(key, None)
+        elif needed:
+            os.environ[key] = old
+
+
 def read_mlflow(path: Path) -> ForeignHistory | None:
     """The newest run's history in an MLflow store beside a checkpoint. Without mlflow
     installed: a history with no rows and a note. Raises :class:`RunFileError` for a store
@@ -65,14 +84,18 @@ def read_mlflow(path: Path) -> ForeignHistory | None:
                 f"an MLflow store found but not read: {install_hint('mlflow-skinny', 'mlflow')}"
             ],
         )
+    with warnings.catch_warnings(), _file_store_allowed(path.is_dir()):
+        warnings.simplefilter("ignore")
+        return _read(MlflowClient, uri, path)
+
+
+def _read(client_class: Any, uri: str, path: Path) -> ForeignHistory | None:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            client = MlflowClient(tracking_uri=uri)
-            exps = client.search_experiments()
-            runs = client.search_runs(
-                [e.experiment_id for e in exps], max_results=1000, order_by=["start_time DESC"]
-            )
+        client = client_class(tracking_uri=uri)
+        exps = client.search_experiments()
+        runs = client.search_runs(
+            [e.experiment_id for e in exps], max_results=1000, order_by=["start_time DESC"]
+        )
     except Exception as e:  # noqa: BLE001 - any failure of the store: one line
         raise RunFileError(
             path, f"is not an MLflow store MlflowClient reads: {first_line(e)}"
