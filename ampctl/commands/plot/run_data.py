@@ -163,6 +163,10 @@ def load_run_data(run_dir: str | Path) -> RunData:
     scale from the latest checkpoint's scaler history when it is there and consistent with the
     events; otherwise skips per log interval from the metrics. Raises UsageError for a missing
     folder, no metrics.jsonl, or no rows. Reads the checkpoint on the CPU (no device)."""
+    from .foreign import foreign_run_data  # another tool's log beside it (#40)
+
+    if (foreign := foreign_run_data(run_dir)) is not None:
+        return foreign
     run_dir = _check_run_dir(Path(run_dir))
     lay = RunLayout(run_dir)
     metrics, events_read = read_jsonl(lay.metrics), read_jsonl(lay.events)

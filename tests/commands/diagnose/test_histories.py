@@ -405,3 +405,34 @@ def test_unknown_names_are_listed_not_guessed():
     h = build_history("x", [{"step": 1, "my_loss": 1.0, "lm loss": 2.0, "gnorm": 3.0}])
     assert h.columns == {"loss": "lm loss"} and h.rows == [{"step": 1, "loss": 2.0}]
     assert re.search(r"my_loss, gnorm", h.notes[-1])
+
+
+# ---------------------------------------------------------------------------- ampctl plot
+def test_plot_draws_a_torchtitan_run_from_the_same_readers(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("matplotlib")
+    from typer.testing import CliRunner
+
+    from ampctl.cli import app
+    from ampctl.commands.plot import load_run_data
+
+    model, opt, rows = train(True)
+    dump = tmp_path / "dump"
+    write_torchtitan(dump, model, opt, rows)
+    data = load_run_data(dump)
+    xs, losses, _ = data.series("loss")
+    assert xs == [r["step"] for r in rows]
+    assert same(losses, [r["loss"] for r in rows]) and math.isnan(losses[NAN_AT - 1])
+    assert data.series("lr")[1] == pytest.approx([r["lr"] for r in rows])
+    assert data.notes[0] == f"history read from {dump / 'tb'}"
+    out = tmp_path / "titan.png"
+    res = CliRunner().invoke(app, ["plot", str(dump), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the checkpoint folder: the tb/ beside it is found the way diagnose finds it
+    res = CliRunner().invoke(app, ["plot", str(dump / "checkpoint"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    # a folder with nothing of any tool's: plot's own message, exit 2
+    (tmp_path / "x" / "empty").mkdir(parents=True)
+    res = CliRunner().invoke(app, ["plot", str(tmp_path / "x" / "empty")])
+    assert res.exit_code == 2 and "no metrics.jsonl" in res.output

@@ -39,6 +39,7 @@ __all__ = [
     "history_beside",
     "candidates",
     "schema_table",
+    "history_rows",
 ]
 
 #: The health schema: what diagnose reads from a history. ``skipped`` and ``overflow`` are
@@ -295,3 +296,23 @@ def history_beside(found: Found) -> ForeignHistory | None:
     if others:
         best.notes.append("also found, not used: " + ", ".join(others[:5]))
     return best
+
+
+#: role -> ampctl's metrics.jsonl key (for drawing another tool's history as a run)
+_AMPCTL_KEYS = {"learning_rate": "lr"}
+
+
+def history_rows(path: Path) -> tuple[str, list[dict[str, Any]], list[str]] | None:
+    """``(source, rows, notes)`` of the best history beside ``path`` with ampctl's metrics keys
+    (``step``, ``loss``, ``scale``, ``skipped``, ``grad_norm``, ``lr``), for ``ampctl plot``;
+    None when there is none with rows. Raises :class:`UsageError` for one that cannot be
+    read."""
+    found = Found(format="foreign", path=path)
+    h = history_beside(found)
+    if found.history_errors and (h is None or not h.rows):
+        name, why = found.history_errors[0]
+        raise UsageError(f"{name!r}: {why}")
+    if h is None or not h.rows:
+        return None
+    rows = [{_AMPCTL_KEYS.get(k, k): v for k, v in r.items()} for r in h.rows]
+    return h.source, rows, h.notes
