@@ -165,7 +165,7 @@ def load_run_data(run_dir: str | Path) -> RunData:
     folder, no metrics.jsonl, or no rows. Reads the checkpoint on the CPU (no device)."""
     from .foreign import foreign_run_data  # another tool's log beside it (#40)
 
-    if (foreign := foreign_run_data(run_dir)) is not None:
+    if (foreign := foreign_run_data(run_dir, RunData)) is not None:
         return foreign
     run_dir = _check_run_dir(Path(run_dir))
     lay = RunLayout(run_dir)

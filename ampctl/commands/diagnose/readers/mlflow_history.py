@@ -28,7 +28,7 @@ from ampctl.runlog.readers import RunFileError
 from ampctl.trust import checked_file
 
 from .base import ForeignHistory, install_hint
-from .histories import NAME_ROLES, build_history
+from .history_names import NAME_ROLES, build_history
 
 __all__ = ["read_mlflow", "store_uri"]
 

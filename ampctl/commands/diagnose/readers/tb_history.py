@@ -26,7 +26,7 @@ from ampctl.runlog.readers import RunFileError
 from ampctl.trust import FileRefused, human_size, open_checked
 
 from .base import ForeignHistory, install_hint
-from .histories import _entries, _tb_dirs, build_history
+from .history_names import _entries, _tb_dirs, build_history
 
 __all__ = ["read_tensorboard", "event_files", "iter_scalars", "valid_records"]
 

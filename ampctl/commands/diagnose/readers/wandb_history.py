@@ -31,7 +31,7 @@ from ampctl.runlog.readers import RunFileError
 from ampctl.trust import FileRefused, human_size, open_checked
 
 from .base import ForeignHistory, install_hint
-from .histories import _entries, as_float, build_history
+from .history_names import _entries, as_float, build_history
 
 __all__ = ["read_wandb", "run_files", "iter_records", "STEP_NAMES", "MAX_RECORD"]
 
