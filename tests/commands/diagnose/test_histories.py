@@ -137,6 +137,7 @@ def write_wandb(out: Path, model, opt, rows: list[dict], monkeypatch) -> Path:
             }
         )
     run.finish()
+    wandb.teardown()  # the service has written every record (finish alone may return before)
     return ckpt
 
 
@@ -436,3 +437,99 @@ def test_plot_draws_a_torchtitan_run_from_the_same_readers(tmp_path):
     (tmp_path / "x" / "empty").mkdir(parents=True)
     res = CliRunner().invoke(app, ["plot", str(tmp_path / "x" / "empty")])
     assert res.exit_code == 2 and "no metrics.jsonl" in res.output
+
+
+# ---------------------------------------------------------------------------- W&B, damaged
+@pytest.fixture(scope="module")
+def wandb_file(tmp_path_factory) -> Path:
+    """One real offline run: 8 rows, one of them 3000 metrics wide (a record over a 32 KiB
+    block: split into first/middle/last chunks)."""
+    wandb = pytest.importorskip("wandb")
+    out = tmp_path_factory.mktemp("wandb")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    try:
+        run = wandb.init(
+            dir=str(out), project="t", settings=wandb.Settings(mode="offline", console="off")
+        )
+        for s in range(1, STEPS + 1):
+            row = {"trainer/global_step": s, "train_loss": 1.0 / s}
+            if s == 4:
+                row.update({f"layer{i}/grad_norm": float(i) for i in range(3000)})
+            run.log(row)
+        run.finish()
+        wandb.teardown()
+    finally:
+        mp.undo()
+    return next((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_record_over_blocks_and_damage(wandb_file, tmp_path):
+    from ampctl.commands.diagnose.readers.wandb_history import read_wandb
+
+    h = read_wandb(wandb_file.parent.parent)  # the wandb/ folder
+    assert [r["step"] for r in h.rows] == list(range(1, STEPS + 1)), h.notes
+    assert h.rows[3] == {"step": 4, "loss": 0.25} and h.columns == {"loss": "train_loss"}
+    assert any(re.search(r"layer\d+/grad_norm.* and 2988 more", n) for n in h.notes), h.notes
+    # a flipped byte in the middle: the rows before it are kept, the rest is named as not read
+    data = bytearray(wandb_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "run-x.wandb"
+    bad.write_bytes(bytes(data))
+    h = read_wandb(bad)
+    assert any("fails its CRC" in n for n in h.notes)
+    assert len(h.rows) < STEPS
+    # a chunk claiming more than the file holds: not read, no allocation of what it claims
+    cut = tmp_path / "run-cut.wandb"
+    cut.write_bytes(wandb_file.read_bytes()[: len(data) // 3])
+    h = read_wandb(cut)
+    assert any("the rest is not read" in n for n in h.notes), h.notes
+    # not a W&B file at all: one line
+    other = tmp_path / "run-other.wandb"
+    other.write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    from ampctl.runlog.readers import RunFileError
+
+    with pytest.raises(RunFileError, match="not a W&B run file"):
+        read_wandb(other)
+
+
+# ---------------------------------------------------------------------------- trust
+def test_an_event_file_linking_out_of_its_folder_is_a_finding(tmp_path):
+    """A symlinked event file pointing outside its folder is not opened: the report says the
+    history is unreadable, naming the link."""
+    pytest.importorskip("tensorboard")
+    model, opt, rows = train(False)
+    outside = tmp_path / "outside"
+    write_tb(outside, rows, {"loss": "lm loss"})
+    run = tmp_path / "run"
+    ckpt = save_plain(run / "model.pt", model, opt)
+    (run / "tensorboard").mkdir()
+    target = next(outside.glob("events.out.tfevents.*"))
+    (run / "tensorboard" / target.name).symlink_to(target)
+    _, rep, _ = diagnose_cli(ckpt)
+    msg = next(p for p in rep["problems"] if p["kind"] == "unreadable_history")
+    assert "outside its folder" in msg["message"] and msg["severity"] == "warning"
+
+
+def test_mlflow_file_store_beside_a_checkpoint(tmp_path, monkeypatch):
+    """An ``mlruns/`` file store (MLflow 3 writes one only with MLFLOW_ALLOW_FILE_STORE)."""
+    pytest.importorskip("mlflow")
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    model, opt, rows = train(True)
+    ckpt = save_plain(tmp_path / "model.pt", model, opt)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run = client.create_run("0")
+    ms = [Metric("ampctl/loss", r["loss"], 0, r["step"]) for r in rows]
+    client.log_batch(run.info.run_id, metrics=ms)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    code, rep, _ = diagnose_cli(ckpt)
+    h = rep["history"]
+    assert h["columns"] == {"loss": "ampctl/loss"} and h["first_nan_loss_step"] == NAN_AT
+    assert code == 1
+    import os
+
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # restored after the read
