@@ -364,7 +364,9 @@ def test_hf_runs_folder_when_trainer_state_is_missing(tmp_path):
 
 
 # ---------------------------------------------------------------------------- MLflow
-def test_mlflow_store_is_opened_read_only(tmp_path, mlflow_store):
+def test_mlflow_store_is_opened_read_only(tmp_path, mlflow_store, monkeypatch):
+    """Nothing is written: not the store, not beside it, not in the working directory; a
+    database MLflow would write to is refused before MLflow opens it."""
     from ampctl.commands.diagnose.readers.mlflow_history import read_mlflow
     from ampctl.runlog.readers import RunFileError
 
@@ -372,9 +374,13 @@ def test_mlflow_store_is_opened_read_only(tmp_path, mlflow_store):
     rows[3]["grad_norm"] = float("inf")  # MLflow's SQL store keeps inf as float max
     ckpt = write_mlflow(tmp_path, model, opt, rows, mlflow_store)
     db = ckpt.parent / "mlflow.db"
-    before = db.read_bytes()
+    before, listing = db.read_bytes(), sorted(p.name for p in tmp_path.iterdir())
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     h = read_mlflow(db)
-    assert db.read_bytes() == before
+    assert db.read_bytes() == before and list(cwd.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*listing, "cwd"])
     assert h.rows[3]["grad_norm"] == float("inf") and any(
         "float max" in n or "inf" in n for n in h.notes
     )

@@ -1,16 +1,21 @@
-"""An MLflow store as a history, through ``MlflowClient``, read-only.
+"""An MLflow store as a history, through ``MlflowClient``, reading only.
 
-* a ``sqlite`` file (``mlflow.db``, ampctl's own ``mlruns.db``): opened as
-  ``sqlite:///file:PATH?mode=ro&uri=true``, so SQLite itself refuses any write (MLflow's store
-  creates tables and a default experiment in an empty database, and migrates an old one: here
-  either is refused, with one line);
+* a ``sqlite`` file (``mlflow.db``, ampctl's own ``mlruns.db``): first checked with Python's
+  ``sqlite3`` opened read-only (``file:PATH?mode=ro``): an SQLite database that holds MLflow's
+  tables (``experiments``, ``runs``, ``metrics``, ``alembic_version``) and at least one
+  experiment. Anything else is refused with one line before MLflow sees it: MLflow's SQL store
+  creates its tables and a default experiment in a database without them, and retries a file
+  it cannot inspect with growing sleeps. A store that passes is opened as ``sqlite:////PATH``
+  and only read (SQLite's read-only form, ``sqlite:///file:PATH?mode=ro&uri=true``, makes
+  MLflow create a folder named ``file:`` in the working directory, so it is not used);
 * an ``mlruns/`` file store: opened only when it already holds the default experiment
-  (``0/meta.yaml``; MLflow's file store writes one when it is missing).
+  (``0/meta.yaml``; MLflow's file store writes one when it is missing), with
+  ``MLFLOW_ALLOW_FILE_STORE=true`` while it is read (MLflow 3 refuses a file store without it).
 
 The newest run of the store (by start time) is read; only the metrics named in
-:data:`~.histories.METRIC_NAMES` are fetched (``get_metric_history``, one metric at a time),
-the others are listed in a note. MLflow's SQL store keeps +-inf as +-1.7976931348623157e308
-(``sys.float_info.max``): read back as inf, with a note.
+:data:`~.history_names.METRIC_NAMES` are fetched (``get_metric_history``, one metric at a
+time), the others are listed in a note. MLflow's SQL store keeps +-inf as
++-1.7976931348623157e308 (``sys.float_info.max``): read back as inf, with a note.
 """
 
 from __future__ import annotations
@@ -50,7 +55,39 @@ def store_uri(path: Path) -> str:
     with open(path, "rb") as f:
         if f.read(16) != b"SQLite format 3\x00":
             raise RunFileError(path, "is not an SQLite database (an MLflow sqlite: store)")
-    return f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+    _check_sqlite(path)
+    return f"sqlite:///{path.resolve()}"
+
+
+_MLFLOW_TABLES = ("experiments", "runs", "metrics", "alembic_version")
+
+
+def _check_sqlite(path: Path) -> None:
+    """An SQLite file that MLflow would only read: its tables and one experiment, checked with
+    ``sqlite3`` opened read-only. Raises :class:`RunFileError`."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as e:
+        raise RunFileError(path, f"is not a readable SQLite database: {e}") from None
+    try:
+        names = {r[0] for r in con.execute("select name from sqlite_master where type='table'")}
+        missing = [t for t in _MLFLOW_TABLES if t not in names]
+        if missing:
+            raise RunFileError(
+                path,
+                f"is not an MLflow store: an SQLite database without MLflow's tables "
+                f"({', '.join(missing)}); MLflow would create them, so it is not opened",
+            )
+        if con.execute("select count(*) from experiments").fetchone()[0] == 0:
+            raise RunFileError(
+                path, "is not an MLflow store MLflow only reads: it holds no experiment"
+            )
+    except sqlite3.Error as e:
+        raise RunFileError(path, f"is not a readable SQLite database: {e}") from None
+    finally:
+        con.close()
 
 
 @contextlib.contextmanager
