@@ -321,8 +321,10 @@ def test_tb_reader_streams_not_event_accumulator(tmp_path, monkeypatch):
     with SummaryWriter(str(d)) as w:
         for s in range(1500):  # over the accumulator's default 1000-point reservoir
             w.add_scalar("grad_norm", float(s), s)
+            w.add_scalar("lr", s / 4, s, new_style=True)  # a 0-d tensor, not simple_value
     h = read_tensorboard(tmp_path / "tb")
-    assert len(h.rows) == 1500 and h.rows[-1] == {"step": 1499, "grad_norm": 1499.0}
+    assert len(h.rows) == 1500
+    assert h.rows[-1] == {"step": 1499, "grad_norm": 1499.0, "learning_rate": 374.75}
 
 
 def test_resumed_torchtitan_run_two_timestamps_later_wins(tmp_path):

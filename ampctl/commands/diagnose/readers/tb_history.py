@@ -1,10 +1,11 @@
 """TensorBoard event files (``events.out.tfevents.*``) as a history, streamed.
 
 Read through tensorboard's low-level record reader
-(``tensorboard.backend.event_processing.event_file_loader.EventFileLoader``: one event at a
-time, with its read-time compat layers, so both ``simple_value`` scalars and the newer tensor
-scalars come out the same), never ``EventAccumulator``, which keeps every event and samples
-scalars down to a reservoir. Memory is one record plus the rows kept (steps x known names).
+(``tensorboard.backend.event_processing.event_file_loader.LegacyEventFileLoader``: one parsed
+``Event`` at a time; its subclass ``EventFileLoader`` adds compat layers that turn every
+``simple_value`` into a tensor, time spent for nothing here: a 0-d numeric tensor, the form of
+``tf.summary.scalar`` and ``add_scalar(new_style=True)``, is read too), never ``EventAccumulator``, which
+keeps every event and samples scalars down to a reservoir. Memory is one record plus the rows kept (steps x known names).
 
 Before the loader sees a file, its record frames are walked (12 bytes read per record, the rest
 skipped by a seek): a record whose length field claims more than the file holds after it (a
@@ -73,37 +74,47 @@ def valid_records(path: Path) -> tuple[int, str | None]:
     return n, None
 
 
+_TENSOR_FIELDS = {1: "float_val", 2: "double_val", 3: "int_val", 9: "int64_val", 19: "half_val"}
+
+
 def _value(v: Any) -> float | None:
+    """A scalar summary value: ``simple_value`` (what ``SummaryWriter.add_scalar`` writes) or a
+    0-d numeric tensor (``tf.summary.scalar``), read from the proto's fields without numpy."""
     if v.HasField("simple_value"):
         return float(v.simple_value)
-    if not v.HasField("tensor"):
+    if not v.HasField("tensor") or v.tensor.tensor_shape.dim:
         return None
     t = v.tensor
-    # a scalar tensor (the compat layer's form of simple_value, or tf.summary.scalar): 0-d
-    if t.tensor_shape.dim:
+    field = _TENSOR_FIELDS.get(t.dtype)
+    if field is None:
         return None
-    from tensorboard.util import tensor_util
+    vals = getattr(t, field)
+    if len(vals) == 1:
+        x = vals[0]
+        return float(np_half(x)) if field == "half_val" else float(x)
+    if t.tensor_content and field in ("float_val", "double_val"):
+        fmt, size = ("<f", 4) if field == "float_val" else ("<d", 8)
+        if len(t.tensor_content) == size:
+            return float(struct.unpack(fmt, t.tensor_content)[0])
+    return None
 
-    try:
-        a = tensor_util.make_ndarray(t)
-    except Exception:  # noqa: BLE001 - a tensor of a kind that is not a number
-        return None
-    if a.dtype.kind not in "fiu" or a.size != 1:
-        return None
-    return float(a.reshape(()).item())
+
+def np_half(bits: int) -> float:
+    """An fp16 value stored as its 16 bits (``half_val``)."""
+    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
 
 
 def iter_scalars(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
     """``{"step", tag: value}`` per event of one file (scalars only; a note for a frame that
     does not fit or a record that cannot be read). Raises :class:`FileRefused`."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     count, why = valid_records(path)
     if why:
         notes.append(why)
     if count == 0:
         return
-    loader = EventFileLoader(str(path))
+    loader = LegacyEventFileLoader(str(path))
     seen = 0
     it = loader.Load()
     while seen < count:
