@@ -301,6 +301,27 @@ def test_a_tfevents_record_claiming_3gb_is_not_allocated(tmp_path):
     h = read_tensorboard(d)
     assert [r["step"] for r in h.rows] == list(range(1, STEPS + 1))
     assert any("claims 3.0 GiB" in n for n in h.notes)
+    # under a 2 GiB address-space limit (the process peaks near 0.7 GiB): tensorboard's reader
+    # asked for 3 GiB there, a MemoryError (seen with the frame walk taken out)
+    import resource
+    import subprocess
+    import sys
+
+    code = (
+        "from pathlib import Path; import sys\n"
+        "from ampctl.commands.diagnose.readers.tb_history import read_tensorboard\n"
+        "h = read_tensorboard(Path(sys.argv[1])); print(len(h.rows), h.notes)"
+    )
+    limit = 2 << 30
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith(f"{STEPS} ") and "MemoryError" not in res.stdout, res.stdout
 
 
 def test_tb_reader_streams_not_event_accumulator(tmp_path, monkeypatch):
