@@ -161,3 +161,46 @@ def test_pytorch_98828_gradscaler_scale_grows_until_it_overflows(tmp_path):
     assert rep["state"]["scaler"]["scale"] == 65536.0
     assert rep["history"]["scale_trajectory"] == [[1, 65536.0]]
     assert code == 0 and not any(p["severity"] == "error" for p in rep["problems"])
+
+
+# ---------------------------------------------------------------------------- a bf16 spike
+def spike_loop(out: Path, *, bad_batch: int | None, steps: int = 24) -> list[dict]:
+    """bf16 autocast, AdamW, gradients clipped to norm 1: one batch ``1e3`` times too large
+    (a corrupt sample, a unit mistake) at ``bad_batch``; the twin has none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 8, generator=g)
+        if step == bad_batch:
+            x = x * 1e3
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        rows.append({"step": step, "loss": loss.item(), "grad_norm": gn.item()})
+    out.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out / "ckpt.pt")
+    _log(out, rows)
+    return rows
+
+
+def test_bf16_loss_spike_from_one_bad_batch(tmp_path):
+    """Named today: the verdict says the run recovered from a single loss at the bad batch's
+    step (clipping kept the update bounded); the twin is healthy."""
+    bad = spike_loop(tmp_path / "bad", bad_batch=12)
+    ok = spike_loop(tmp_path / "ok", bad_batch=None)
+    assert bad[11]["loss"] > 1000 * max(r["loss"] for r in ok)  # the spike is real
+    assert bad[-1]["loss"] < 1.0  # and the run came back
+    code, rep, _ = diagnose_cli(tmp_path / "bad" / "ckpt.pt")
+    assert code == 0 and rep["verdict"]["status"] == "recovered", rep["verdict"]
+    assert (
+        "a single loss of" in rep["verdict"]["summary"]
+        and "at step 12" in rep["verdict"]["summary"]
+    )
+    code, rep, _ = diagnose_cli(tmp_path / "ok" / "ckpt.pt")
+    assert code == 0 and rep["verdict"]["status"] == "healthy", rep["verdict"]
