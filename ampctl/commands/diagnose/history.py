@@ -435,9 +435,12 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
             loss=math.nan if r["step"] in filtered else as_number(r.get("loss")),
             grad_norm=as_number(r.get("grad_norm")),
             learning_rate=as_number(r.get("learning_rate")),
+            scale=as_number(r.get("scale")),
+            skipped=as_number(r.get("skipped")),
         )
         for r in raw
     ]
+    counted = _counted_up(raw, "skipped") | _counted_up(raw, "overflow")  # running counts
     nan_loss = [r.step for r in rows if r.loss is not None and not math.isfinite(r.loss)]
     bad_gn = [r.step for r in rows if r.grad_norm is not None and not math.isfinite(r.grad_norm)]
     first_nan = min(nan_loss) if nan_loss else None
@@ -451,13 +454,27 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
         nan_filtered_steps=filtered,
         first_nonfinite_grad_norm_step=min(bad_gn) if bad_gn else None,
         break_step=min(breaks) if breaks else None,
-        skipped_steps=sorted(set(bad_gn) - set(nan_loss)),
+        skipped_steps=sorted((set(bad_gn) - set(nan_loss)) | counted),
+        scale_trajectory=_scale_changes((r.step, r.scale) for r in rows if r.scale is not None),
         columns=dict(fh.columns),
         notes=list(fh.notes),
         rows=rows,
     )
     _trend(h)
     return h
+
+
+def _counted_up(rows: list[dict[str, Any]], role: str) -> set[int]:
+    """Steps where a running count another tool logs (skipped steps, overflows) went up."""
+    out: set[int] = set()
+    prev = 0.0
+    for r in rows:
+        v = as_number(r.get(role))
+        if v is not None and math.isfinite(v):
+            if v > prev:
+                out.add(r["step"])
+            prev = v
+    return out
 
 
 def unreadable_history(found: Any, h: History | None) -> list[Problem]:

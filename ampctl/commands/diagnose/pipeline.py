@@ -27,6 +27,7 @@ from .fp8 import fp8_problems
 from .health import applied_updates, state_health
 from .history import branch_of, foreign_history, run_history, unreadable_history
 from .readers.base import Found, ReaderError
+from .readers.histories import history_beside
 from .recommend import Settings, recommend, resume_command
 from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
 from .report import build_report, report_json
@@ -344,8 +345,8 @@ def _history(
     hist = None
     if found.run_dir is not None:
         hist = run_history(found.run_dir, found.step, state.scaler, branch)
-    elif found.history is not None:
-        hist = foreign_history(found.history, found.step)
+    elif (fh := found.history or history_beside(found)) is not None:
+        hist = foreign_history(fh, found.step)  # another tool's log, found beside (#40)
     return hist, unreadable_history(found, hist)
 
 

@@ -12,7 +12,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ampctl.errors import UsageError
 from ampctl.runlog import BranchInfo, RunLayout, list_branches, read_json
@@ -59,6 +59,8 @@ def _int(v: Any) -> int | None:
 @dataclass
 class RunData:
     """What a run folder says, reduced to what the figure draws (no matplotlib needed)."""
+
+    KEYS: ClassVar[tuple[str, ...]] = KEYS  # the metrics series, in Decimator order
 
     run_dir: Path
     metrics: Decimator
@@ -259,6 +261,10 @@ def load_run_data(run_dir: str | Path) -> RunData:
     events; otherwise skips per log interval from the metrics. One streaming pass per file,
     memory bounded by the figure's resolution. Raises UsageError for a missing folder, no
     metrics.jsonl, or no rows. Reads the checkpoint on the CPU (no device)."""
+    from .foreign import foreign_run_data  # another tool's log beside it (#40)
+
+    if (foreign := foreign_run_data(run_dir, RunData)) is not None:
+        return foreign
     run_dir = _check_run_dir(Path(run_dir))
     lay = RunLayout(run_dir)
     notes: list[str] = []

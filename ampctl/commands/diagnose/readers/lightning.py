@@ -177,18 +177,6 @@ def _csv_history(path: Path) -> ForeignHistory | None:
 
 
 def _tb_history(d: Path) -> ForeignHistory | None:
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        return ForeignHistory(
-            source=str(d),
-            notes=["TensorBoard events found but not read: pip install tensorboard"],
-        )
-    acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
-    acc.Reload()
-    cols = _pick(acc.Tags().get("scalars", []))
-    merged: dict[int, dict[str, Any]] = {}
-    for role, tag in cols.items():
-        for ev in acc.Scalars(tag):
-            merged.setdefault(int(ev.step), {"step": int(ev.step)})[role] = float(ev.value)
-    return ForeignHistory(source=str(d), rows=[merged[s] for s in sorted(merged)], columns=cols)
+    from .tb_history import read_tensorboard  # streamed, bounded (never EventAccumulator)
+
+    return read_tensorboard(d, pick=_pick)
