@@ -477,7 +477,8 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
     breaks = [s for s in (first_nan, storm) if s is not None]
     h = History(
         source=fh.source,
-        metrics_rows=keeper.seen,
+        # rows the reader merged away (a long log) are counted as read
+        metrics_rows=keeper.seen + max(0, (fh.logged or 0) - len(fh.rows)),
         first_nan_loss_step=first_nan,
         nan_filtered_steps=filtered,
         first_nonfinite_grad_norm_step=min(bad_gn) if bad_gn else None,
@@ -492,14 +493,15 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
 
 
 def unreadable_history(found: Any, h: History | None) -> list[Problem]:
-    """A history file that is there but could not be read is a finding, never silently absent:
-    ``history: FILE unreadable: WHY`` (a warning: the checkpoint's own state is still judged)."""
+    """A history file that is there but could not be read is named, never silently absent:
+    ``history: FILE unreadable: WHY``, a ``note``: it is no problem of the run by itself (the
+    verdict is made on what was read, and the checkpoint's own state is still judged)."""
     files = list(found.history_errors) + [tuple(u) for u in (h.unreadable if h else [])]
     return [
         Problem(
             "unreadable_history",
             f"history: {Path(name).name} unreadable: {why}",
-            severity="warning",
+            severity="note",
             file=str(name),
         )
         for name, why in files

@@ -13,7 +13,7 @@ it. Past the cap it keeps:
 * the :data:`CONTEXT` rows before the first non-finite loss exactly (the rows before the break);
 * the rows in between merged into at most :data:`MIDDLE_CAP` rows of equal width: a merged row
   carries the step of its first row, the mean of its finite losses and grad norms (a non-finite
-  one wins: it is never averaged away), the largest learning rate and grad amax, the last scale
+  one wins: it is never averaged away, and the merged row then carries its step), the largest learning rate and grad amax, the last scale
   and skipped count. When the merged rows fill their cap, neighbours are merged pairwise and the
   width doubles (amortised O(1) a row).
 
@@ -62,6 +62,7 @@ class _Merged:
     loss_sum: float = 0.0
     loss_n: int = 0
     loss_bad: float | None = None
+    bad_step: int | None = None  # the first row with a non-finite loss or grad norm
     gn_sum: float = 0.0
     gn_n: int = 0
     gn_bad: float | None = None
@@ -85,12 +86,14 @@ class _Merged:
                 self.loss_n += 1
             elif self.loss_bad is None:
                 self.loss_bad = r.loss
+                self.bad_step = r.step if self.bad_step is None else self.bad_step
         if r.grad_norm is not None:
             if math.isfinite(r.grad_norm):
                 self.gn_sum += r.grad_norm
                 self.gn_n += 1
             elif self.gn_bad is None:
                 self.gn_bad = r.grad_norm
+                self.bad_step = r.step if self.bad_step is None else self.bad_step
         self.amax = _larger(self.amax, r.grad_amax)
         self.lr = _larger(self.lr, r.learning_rate)
         if r.scale is not None:
@@ -107,6 +110,7 @@ class _Merged:
         self.gn_sum += o.gn_sum
         self.gn_n += o.gn_n
         self.gn_bad = self.gn_bad if self.gn_bad is not None else o.gn_bad
+        self.bad_step = self.bad_step if self.bad_step is not None else o.bad_step
         self.amax = _larger(self.amax, o.amax)
         self.lr = _larger(self.lr, o.lr)
         self.scale = o.scale if o.scale is not None else self.scale
@@ -122,7 +126,7 @@ class _Merged:
         else:
             gn = self.gn_sum / self.gn_n if self.gn_n else None
         return Row(
-            step=self.step,
+            step=self.step if self.bad_step is None else self.bad_step,  # a bad value: its step
             loss=loss,
             scale=self.scale,
             skipped=self.skipped,
@@ -151,17 +155,24 @@ class RowKeeper:
     def __init__(
         self,
         *,
-        cap: int = ROW_CAP,
-        head: int = HEAD,
-        tail: int = TAIL,
-        mark_cap: int = MARK_CAP,
-        middle_cap: int = MIDDLE_CAP,
-        context: int = CONTEXT,
+        cap: int | None = None,
+        head: int | None = None,
+        tail: int | None = None,
+        mark_cap: int | None = None,
+        middle_cap: int | None = None,
+        context: int | None = None,
         by_step: bool = True,
     ) -> None:
-        """``by_step``: a step logged again replaces its earlier row and the rows come out by
-        step (ampctl's metrics); else every row is kept in the order it came while under the cap
+        """The sizes default to the module's constants (read when the keeper is made).
+        ``by_step``: a step logged again replaces its earlier row and the rows come out by step
+        (ampctl's metrics); else every row is kept in the order it came while under the cap
         (another tool's log, as it wrote it)."""
+        cap = ROW_CAP if cap is None else cap
+        head = HEAD if head is None else head
+        tail = TAIL if tail is None else tail
+        mark_cap = MARK_CAP if mark_cap is None else mark_cap
+        middle_cap = MIDDLE_CAP if middle_cap is None else middle_cap
+        context = CONTEXT if context is None else context
         if not (head >= 1 and tail >= max(context, _LEVEL) and middle_cap >= 2):
             raise ValueError("RowKeeper: head >= 1, tail >= context, middle_cap >= 2")
         self.cap, self.head_n, self.tail_n = cap, head, tail

@@ -121,6 +121,7 @@ def _trainer_state(found: Found, path: Path) -> tuple[dict[str, Any], ForeignHis
         columns={"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"},
         notes=notes,
         nan_filter=True,
+        logged=keeper.seen,
     )
 
 

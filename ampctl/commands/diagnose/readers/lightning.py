@@ -212,7 +212,9 @@ def _csv_history(path: Path) -> ForeignHistory | None:
         {"step": r.step} | {k: v for k, v in _roles(r).items() if v is not None}
         for r in keeper.rows()
     ]
-    return ForeignHistory(source=str(path), rows=rows, columns=cols, notes=notes)
+    return ForeignHistory(
+        source=str(path), rows=rows, columns=cols, notes=notes, logged=keeper.seen
+    )
 
 
 def _hand_on(keeper: RowKeeper, pending: dict[int, dict[str, Any]], step: int) -> None:
