@@ -269,17 +269,24 @@ def _add_row(keeper: RowKeeper, r: dict[str, Any]) -> None:
     step = _step(r)
     if step is None:
         return
+    g = r.get
     keeper.add(
         Row(
             step=step,
-            loss=as_number(r.get("loss")),
-            scale=as_number(r.get("scale")),
-            skipped=r.get("skipped"),
-            grad_norm=as_number(r.get("grad_norm")),
-            grad_amax=as_number(r.get("grad_amax")),
-            learning_rate=as_number(r.get("lr", r.get("learning_rate"))),
+            loss=_num(g("loss")),
+            scale=_num(g("scale")),
+            skipped=g("skipped"),
+            grad_norm=_num(g("grad_norm")),
+            grad_amax=_num(g("grad_amax")),
+            learning_rate=_num(g("lr", g("learning_rate"))),
         )
     )
+
+
+def _num(x: Any) -> float | None:
+    """:func:`as_number`, with a float taken as it is (the common case: once a row, each
+    figure)."""
+    return x if type(x) is float else as_number(x)
 
 
 def _guard_events(events: list[dict[str, Any]]) -> list[GuardEvent]:
