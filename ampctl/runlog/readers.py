@@ -30,6 +30,7 @@ from ampctl.trust import (
     ResourceRefused,
     check_tree,
     iter_lines,
+    open_checked,
     read_bounded,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "RunFileError",
     "read_jsonl",
     "iter_jsonl",
+    "JsonArrayStream",
     "read_json",
     "load_json",
     "read_config_text",
@@ -189,6 +191,257 @@ def iter_jsonl(path: str | Path, *, line_limit: int = MAX_LINE) -> JsonlStream:
     """The objects of a JSONL file, streamed (see :class:`JsonlStream`): a missing file has
     none; never raises for bad content or for the file's size."""
     return JsonlStream(path, line_limit=line_limit)
+
+
+class _Invalid(Exception):
+    """The document is not valid JSON where the stream stands (its message says how)."""
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_STRUCT = re.compile(r'["\[\]{}]')
+_IN_STRING = re.compile(r'["\\]')
+_SCALAR = re.compile(r"[^,\]}\s]*")
+
+
+class _Chars:
+    """The text of a file read forward in chunks (UTF-8, bad bytes replaced): ``s[pos:]`` is what
+    is not read yet; what was read is dropped as the stream goes on."""
+
+    def __init__(self, f: Any, chunk: int) -> None:
+        import codecs
+
+        self.f, self.chunk = f, chunk
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.s, self.pos, self.eof = "", 0, False
+        self.dropped = 0  # characters before s[0]
+        self.head = b""
+
+    def more(self, n: int | None = None) -> bool:
+        """Read on (``n`` bytes at least a chunk); False at the end of the file."""
+        if self.eof:
+            return False
+        data = self.f.read(max(self.chunk, n or 0))
+        if not self.head:
+            self.head = data[:4096]
+        self.eof = not data
+        if self.pos > 0:
+            self.dropped += self.pos
+            self.s, self.pos = self.s[self.pos :], 0
+        self.s += self.dec.decode(data, final=self.eof)
+        return bool(data)
+
+    def peek(self) -> str:
+        """The next character that is not white space ('' at the end)."""
+        while True:
+            self.pos = _WS.match(self.s, self.pos).end()
+            if self.pos < len(self.s) or not self.more():
+                return self.s[self.pos] if self.pos < len(self.s) else ""
+
+    def where(self) -> str:
+        return f"character {self.dropped + self.pos + 1}"
+
+    def value(self, limit: int, decoder: json.JSONDecoder) -> tuple[bool, Any]:
+        """The next JSON value: ``(True, value)``, or ``(False, why)`` for one longer than
+        ``limit`` characters or nested too deeply (skipped, never held whole). Raises
+        :class:`_Invalid` for text that is not JSON."""
+        if self.peek() not in '[{"':  # a scalar: read on until what ends it is in the buffer
+            while _SCALAR.match(self.s, self.pos).end() >= len(self.s) and self.more():
+                if len(self.s) - self.pos > limit:
+                    self.skip()
+                    return False, f"longer than {_size(limit)}"
+        while True:
+            try:
+                val, end = decoder.raw_decode(self.s, self.pos)
+            except RecursionError:
+                self.skip()
+                return False, "nested too deeply to read"
+            except json.JSONDecodeError as e:
+                if len(self.s) - self.pos > limit:
+                    self.skip()
+                    return False, f"longer than {_size(limit)}"
+                if self.more(len(self.s) - self.pos):  # a value cut at the chunk's end: read on
+                    continue
+                raise _Invalid(f"{e.msg} at {self.where()}") from None
+            if end - self.pos > limit:
+                self.pos = end
+                return False, f"longer than {_size(limit)}"
+            self.pos = end
+            return True, val
+
+    def _search(self, pattern: re.Pattern[str]) -> str:
+        while True:
+            m = pattern.search(self.s, self.pos)
+            if m is not None:
+                self.pos = m.end()
+                return m.group()
+            self.pos = len(self.s)
+            if not self.more():
+                raise _Invalid(f"ends inside a value at {self.where()}")
+
+    def skip(self) -> None:
+        """Pass over one value, a chunk at a time, holding none of it (structure only)."""
+        if self.peek() not in '[{"':
+            while True:
+                self.pos = _SCALAR.match(self.s, self.pos).end()
+                if self.pos < len(self.s) or not self.more():
+                    return
+        depth, in_string = 0, False
+        while True:
+            ch = self._search(_IN_STRING if in_string else _STRUCT)
+            if in_string:
+                if ch == "\\":
+                    if self.pos >= len(self.s) and not self.more():
+                        raise _Invalid(f"ends inside a string at {self.where()}")
+                    self.pos += 1
+                    continue
+                in_string = False
+                if depth == 0:
+                    return
+            elif ch == '"':
+                in_string = True
+            elif ch in "[{":
+                depth += 1
+            else:
+                depth -= 1
+                if depth <= 0:
+                    return
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n:,} characters"
+
+
+class JsonArrayStream:
+    """A JSON object file whose one large part is the array under ``key`` (``trainer_state.json``
+    and its ``log_history``), read in one pass: iterate it once for the array's entries, one at
+    a time; the object's other keys are in :attr:`top` afterwards (those read before the array
+    already while it is iterated).
+
+    An entry longer than ``entry_limit`` characters or nested too deeply is skipped and counted
+    (:attr:`bad_entries`, :attr:`bad_count`, :attr:`bad_why`), as is any other key's value longer
+    than ``value_limit`` (:attr:`skipped_keys`); the file is never refused for its size. Text
+    that is not JSON stops the stream: :attr:`error` says where (the entries before it were
+    read); so do pickle or binary bytes, a file that may not be opened, and a document that is
+    not an object. Text after the object is not read (:attr:`trailing`). Memory is one entry and
+    a chunk of the file, time linear in it."""
+
+    KEPT_BAD = 100
+    MAX_KEYS = 10_000
+
+    def __init__(
+        self,
+        path: str | Path,
+        key: str,
+        *,
+        entry_limit: int = MAX_LINE,
+        value_limit: int = MAX_LINE,
+        chunk: int = 1 << 16,
+    ) -> None:
+        self.path, self.key = Path(path), key
+        self.entry_limit, self.value_limit, self.chunk = entry_limit, value_limit, chunk
+        self.top: dict[str, Any] = {}
+        self.found_array = False
+        self.entries = 0
+        self.bad_entries: list[int] = []
+        self.bad_count = 0
+        self.bad_why: str | None = None
+        self.skipped_keys: list[tuple[str, str]] = []
+        self.error: str | None = None
+        self.trailing = False
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            f, _st = open_checked(self.path)
+        except FileRefused as e:
+            self.error = e.reason
+            return
+        with f:
+            c = _Chars(f, self.chunk)
+            try:
+                yield from self._object(c)
+            except _Invalid as e:
+                self.error = f"is not valid JSON ({e})"
+
+    def _object(self, c: _Chars) -> Iterator[Any]:
+        dec = json.JSONDecoder()
+        first = c.peek()
+        why = _what_it_holds(c.head)
+        if why is not None:
+            self.error = why
+            return
+        if first != "{":
+            if first in ("[", '"') or first.isdigit() or first == "-":
+                self.error = f"holds a {'list' if first == '[' else 'value'}, not an object"
+            else:
+                self.error = f"is not valid JSON (no object at {c.where()})"
+            return
+        c.pos += 1
+        if c.peek() == "}":
+            c.pos += 1
+        else:
+            while True:
+                if c.peek() != '"':
+                    raise _Invalid(f"a key expected at {c.where()}")
+                ok, name = c.value(self.value_limit, dec)
+                if not ok:
+                    raise _Invalid(f"a key {name} at {c.where()}")
+                if c.peek() != ":":
+                    raise _Invalid(f"':' expected at {c.where()}")
+                c.pos += 1
+                if name == self.key and c.peek() == "[":
+                    self.found_array = True
+                    yield from self._array(c, dec)
+                else:
+                    ok, v = c.value(self.value_limit, dec)
+                    if ok and len(self.top) < self.MAX_KEYS:
+                        self.top[name] = v
+                    elif not ok:
+                        self.skipped_keys.append((name, v))
+                nxt = c.peek()
+                c.pos += 1
+                if nxt == "}":
+                    break
+                if nxt != ",":
+                    raise _Invalid(f"',' or '}}' expected at {c.where()}")
+        self.trailing = c.peek() != ""
+
+    def _array(self, c: _Chars, dec: json.JSONDecoder) -> Iterator[Any]:
+        c.pos += 1
+        if c.peek() == "]":
+            c.pos += 1
+            return
+        while True:
+            self.entries += 1
+            ok, v = c.value(self.entry_limit, dec)
+            if ok:
+                yield v
+            else:
+                self.bad_count += 1
+                self.bad_why = self.bad_why or v
+                if len(self.bad_entries) < self.KEPT_BAD:
+                    self.bad_entries.append(self.entries)
+            nxt = c.peek()
+            c.pos += 1
+            if nxt == "]":
+                return
+            if nxt != ",":
+                raise _Invalid(f"',' or ']' expected at {c.where()}")
+
+    def note(self) -> str | None:
+        """One line about the entries and keys that were skipped, or None."""
+        parts = []
+        if self.bad_count:
+            where = ", ".join(str(n) for n in self.bad_entries[:5])
+            more = f" and {self.bad_count - 5} more" if self.bad_count > 5 else ""
+            parts.append(
+                f"skipped {self.bad_count} unreadable {self.key} entr"
+                f"{'y' if self.bad_count == 1 else 'ies'} ({where}{more}: {self.bad_why})"
+            )
+        for name, why in self.skipped_keys[:3]:
+            parts.append(f"skipped the value of {name!r} ({why})")
+        if self.trailing:
+            parts.append("text after the JSON object not read")
+        return f"{self.path}: " + "; ".join(parts) if parts else None
 
 
 def read_jsonl(path: str | Path, *, line_limit: int = MAX_LINE) -> JsonlRows:

@@ -30,6 +30,8 @@ were). A checkpoint is a resume point only when it was written before it. Pure f
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -143,9 +145,42 @@ def _noise(vals: list[Row], levels: list[float]) -> float:
     return 1.4826 * d[len(d) // 2] if d else 0.0
 
 
+class _RunningNoise:
+    """:func:`_noise` of a growing prefix of the rows, kept as they come: the distances in two
+    heaps (the lower ``n // 2 + 1`` of them in a max-heap, the rest in a min-heap), so the
+    median distance is the lower heap's top. ``add`` is O(log n); the figure is the same float
+    :func:`_noise` gives for the same prefix."""
+
+    def __init__(self) -> None:
+        self._low: list[float] = []  # negated: a max-heap
+        self._high: list[float] = []
+
+    def add(self, d: float) -> None:
+        if not self._low or d <= -self._low[0]:
+            heapq.heappush(self._low, -d)
+        else:
+            heapq.heappush(self._high, d)
+        want = (len(self._low) + len(self._high)) // 2 + 1
+        while len(self._low) > want:
+            heapq.heappush(self._high, -heapq.heappop(self._low))
+        while len(self._low) < want and self._high:
+            heapq.heappush(self._low, -heapq.heappop(self._high))
+
+    def value(self) -> float:
+        return 1.4826 * -self._low[0] if self._low else 0.0
+
+
+def _nonfinite_between(bad: list[int], a: int, b: int) -> bool:
+    """Whether a step of the sorted ``bad`` steps lies strictly between ``a`` and ``b``."""
+    k = bisect.bisect_right(bad, a)
+    return k < len(bad) and bad[k] < b
+
+
 def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
     """The first step where the logged loss left its course (see the module docstring), using
-    the rows up to ``stop`` (the end of the record when None)."""
+    the rows up to ``stop`` (the end of the record when None). O(n log n) in the rows: the
+    noise grows with the rows (:class:`_RunningNoise`), the non-finite steps are looked up in
+    a sorted index."""
     vals = [
         r
         for r in rows
@@ -154,24 +189,24 @@ def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
     if len(vals) < 2:
         return None
     levels = _levels(vals)
+    bad = sorted(x.step for x in rows if x.loss is not None and not math.isfinite(x.loss))
+    noise = _RunningNoise()
+    added = LEVEL_ROWS - 1  # the next row whose distance the noise takes in
     low = 0  # the row of the lowest level so far
     improved = False
     for i in range(1, len(vals)):
         lv, base = levels[i], levels[low]
-        if improved:  # the noise of the rows before this level's window (not the rise)
-            k = max(0, i - LEVEL_ROWS + 1)
-            band = max(DEPARTURE * abs(base), NOISE_K * _noise(vals[:k], levels[:k]))
+        k = max(0, i - LEVEL_ROWS + 1)
+        while added < k:  # the noise of the rows before this level's window (not the rise)
+            noise.add(abs(vals[added].loss - levels[added]))
+            added += 1
+        if improved:
+            band = max(DEPARTURE * abs(base), NOISE_K * noise.value())
         else:  # before the loss ever fell, its noise is not known: its first value is the bar
             band = DEPARTURE * abs(base)
         if lv > base + band:
             nxt = levels[i + 1] if i + 1 < len(vals) else None
-            gap = i + 1 < len(vals) and any(
-                x.step > vals[i].step
-                and x.step < vals[i + 1].step
-                and x.loss is not None
-                and not math.isfinite(x.loss)
-                for x in rows
-            )
+            gap = i + 1 < len(vals) and _nonfinite_between(bad, vals[i].step, vals[i + 1].step)
             if nxt is None or gap or nxt > base + band / 2:
                 return _departure(vals, levels, i, low, rows)
         if lv < base:
@@ -256,11 +291,27 @@ def skip_runs(steps: list[int]) -> list[tuple[int, int]]:
 
 def _scale_at(h: History | None, step: int) -> float | None:
     """The scale in force at ``step`` from the history's scale trajectory."""
-    scale = None
-    for s, v in h.scale_trajectory if h is not None else []:
-        if s <= step:
-            scale = v
-    return scale
+    return _ScaleAt(h)(step)
+
+
+class _ScaleAt:
+    """:func:`_scale_at` for many steps: the trajectory's steps indexed once (a bisection per
+    look-up when they are in order, as the history writes them; a scan when not)."""
+
+    def __init__(self, h: History | None) -> None:
+        self.points = list(h.scale_trajectory) if h is not None else []
+        self.steps = [s for s, _ in self.points]
+        self.ordered = all(a <= b for a, b in zip(self.steps, self.steps[1:], strict=False))
+
+    def __call__(self, step: int) -> float | None:
+        if self.ordered:
+            k = bisect.bisect_right(self.steps, step)
+            return self.points[k - 1][1] if k else None
+        scale = None
+        for s, v in self.points:
+            if s <= step:
+                scale = v
+        return scale
 
 
 def _listed(steps: list[int]) -> str:
@@ -283,12 +334,13 @@ def _skip_episodes(
     a clean record of the scaler): a run of skipped steps with none after it is still going."""
     out = []
     last_clean = max(clean) if clean else None
+    scale_at = _ScaleAt(h)
     for a, b in skip_runs(skipped):
         n = b - a + 1
         ongoing = last_clean is None or last_clean < b
         span = f"{n} step{'s' if n > 1 else ''} skipped at {_span(a, b)}"
         forward = sum(1 for s in range(a, b + 1) if s in nonfinite)
-        s0, s1 = _scale_at(h, a - 1), _scale_at(h, b)
+        s0, s1 = scale_at(a - 1), scale_at(b)
         scales = (
             f" (scale {s0:g} -> {s1:g})" if s0 is not None and s1 is not None and s0 != s1 else ""
         )
@@ -315,6 +367,7 @@ def _inferred_skips(cks: list[CheckpointFacts]) -> tuple[list[int], list[str]]:
       (the next interval was all skipped, or the scale ended below 1): the last ``k`` steps."""
     known = sorted((c for c in cks if c.step is not None), key=lambda c: c.step)
     spans: list[tuple[int, int]] = []
+    spanned: set[tuple[int, int]] = set()  # the same, to look up
     notes: list[str] = []
     pairs = list(zip(known, known[1:], strict=False))
     for prev, cur in pairs:
@@ -326,10 +379,12 @@ def _inferred_skips(cks: list[CheckpointFacts]) -> tuple[list[int], list[str]]:
             halvings = _halvings(prev.scale, cur.scale) if scales else 0
             if n > 0 and halvings >= n:
                 spans.append((prev.step + 1, cur.step))
+                spanned.add(spans[-1])
             continue
         done = cur.applied - prev.applied
         if n > 0 and done == 0 and fell:
             spans.append((prev.step + 1, cur.step))
+            spanned.add(spans[-1])
             notes.append(
                 f"{cur.path}: the optimizer applied no update in steps {prev.step + 1}-"
                 f"{cur.step} (every step skipped)"
@@ -338,14 +393,15 @@ def _inferred_skips(cks: list[CheckpointFacts]) -> tuple[list[int], list[str]]:
         if prev.applied is None or cur.applied is None:
             continue
         k = (cur.step - prev.step) - (cur.applied - prev.applied)
-        if k <= 0 or (prev.step + 1, cur.step) in spans or not prev.scale or cur.scale is None:
+        if k <= 0 or (prev.step + 1, cur.step) in spanned or not prev.scale or cur.scale is None:
             continue
         halvings = _halvings(prev.scale, cur.scale)
         goes_on = (
-            (cur.step + 1, pairs[i + 1][1].step) in spans if i + 1 < len(pairs) else cur.scale < 1
+            (cur.step + 1, pairs[i + 1][1].step) in spanned if i + 1 < len(pairs) else cur.scale < 1
         )
         if goes_on and (math.isinf(halvings) or round(halvings) == k):
             spans.append((cur.step - k + 1, cur.step))
+            spanned.add(spans[-1])
     steps = sorted({s for a, b in spans for s in range(a, b + 1)})
     return steps, notes
 

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from ampctl.amp import records as rec
-from ampctl.runlog import RunLayout, RunRecord, as_number, list_branches, read_json
+from ampctl.runlog import RunLayout, as_number, list_branches, read_json, read_jsonl
+from ampctl.runlog.readers import iter_jsonl
 
 from .common import EXPLOSION_FACTOR, TREND_ROWS, finite
 from .readers.base import ForeignHistory
+from .rows import RowKeeper
 from .stages import (
     Aborted,
     Branch,
@@ -160,10 +162,10 @@ def trailing_run(steps: list[int], last_step: int | None) -> int | None:
 
 # ---------------------------------------------------------------------------- branches
 def _resumes(run_dir: Path) -> list[dict[str, Any]]:
-    rec_ = RunRecord.read(run_dir)
+    """The run's ``resume`` events (its events only: the metrics are not read for them)."""
     return [
         {"step": _step(e), "from": e.get("resumed_from") or e.get("checkpoint")}
-        for e in rec_.events.rows
+        for e in iter_jsonl(RunLayout(run_dir).events)
         if e.get("kind") == "resume"
     ]
 
@@ -219,50 +221,72 @@ def branch_of(ckpt: Path, run_dir: Path | None) -> Branch | None:
     )
 
 
+def _upto(step_limit: int | None):
+    """Whether a run file's row is up to ``step_limit`` (as :meth:`RunRecord.read` filters)."""
+
+    def keep(r: dict[str, Any]) -> bool:
+        if step_limit is None:
+            return True
+        v = as_number(r.get("step"))
+        return (v if v is not None else -1.0) <= step_limit
+
+    return keep
+
+
 def _records(
-    run_dir: Path, step_limit: int | None, branch: Branch | None
-) -> tuple[list, list, list[str], list[list[str]], dict[str, Any] | None]:
-    """Metrics rows and events up to ``step_limit``; an archived branch is preceded by the main
-    line's rows up to the fork."""
-    rec_ = RunRecord.read(run_dir, upto_step=step_limit)
-    metrics, events = list(rec_.metrics.rows), list(rec_.events.rows)
-    records = [rec_]
+    run_dir: Path, step_limit: int | None, branch: Branch | None, keeper: RowKeeper
+) -> tuple[int, list, list[str], list[list[str]], dict[str, Any] | None]:
+    """Metrics rows (streamed into ``keeper``, one line at a time: their count is returned) and
+    events up to ``step_limit``; an archived branch is preceded by the main line's rows up to
+    the fork."""
+    lay = RunLayout(run_dir)
+    parts = [(lay, step_limit, False)]
     if branch is not None and branch.line == "archived" and branch.forked_at_step is not None:
-        main = RunRecord.read(run_dir.parent.parent, upto_step=branch.forked_at_step)
-        metrics = main.metrics.rows + metrics
-        events = [e for e in main.events.rows if e.get("kind") != "branch"] + events
-        records.append(main)
-    files = [
-        (rows, path)
-        for r in records
-        for rows, path in ((r.metrics, r.layout.metrics), (r.events, r.layout.events))
-    ]
-    # lines skipped are a note; a whole file that could not be read is a finding
+        parts.insert(0, (RunLayout(run_dir.parent.parent), branch.forked_at_step, True))
+    count, events, files = 0, [], []
+    for layout, limit, main in parts:
+        keep = _upto(limit)
+        stream = iter_jsonl(layout.metrics)
+        for r in stream:
+            if keep(r):
+                count += 1
+                _add_row(keeper, r)
+        evs = read_jsonl(layout.events)
+        events += [e for e in evs.rows if keep(e) and not (main and e.get("kind") == "branch")]
+        files = [(stream, layout.metrics), (evs, layout.events)] + files  # the run's own first
+    # lines skipped are a note; a whole file that could not be read is named as unreadable
     notes = [n for rows, path in files if rows.error is None and (n := rows.note(path))]
     unreadable = [[str(path), rows.error] for rows, path in files if rows.error is not None]
-    return metrics, events, notes, unreadable, rec_.summary
+    if (n := keeper.note(str(lay.metrics))) is not None:
+        notes.append(n)
+    return count, events, notes, unreadable, read_json(lay.summary)
 
 
 # ---------------------------------------------------------------------------- ampctl runs
-def _metrics_rows(metrics: list[dict[str, Any]]) -> list[Row]:
-    """One row per step (a step logged again after a rollback: the later row, the line the run
-    went on with)."""
-    by_step: dict[int, Row] = {}
-    for r in metrics:
-        step = _step(r)
-        if step is None:
-            continue
-        lr = as_number(r.get("lr", r.get("learning_rate")))
-        by_step[step] = Row(
+def _add_row(keeper: RowKeeper, r: dict[str, Any]) -> None:
+    """One metrics row into the keeper (a step logged again after a rollback: the later row,
+    the line the run went on with)."""
+    step = _step(r)
+    if step is None:
+        return
+    g = r.get
+    keeper.add(
+        Row(
             step=step,
-            loss=as_number(r.get("loss")),
-            scale=as_number(r.get("scale")),
-            skipped=r.get("skipped"),
-            grad_norm=as_number(r.get("grad_norm")),
-            grad_amax=as_number(r.get("grad_amax")),
-            learning_rate=lr,
+            loss=_num(g("loss")),
+            scale=_num(g("scale")),
+            skipped=g("skipped"),
+            grad_norm=_num(g("grad_norm")),
+            grad_amax=_num(g("grad_amax")),
+            learning_rate=_num(g("lr", g("learning_rate"))),
         )
-    return [by_step[s] for s in sorted(by_step)]
+    )
+
+
+def _num(x: Any) -> float | None:
+    """:func:`as_number`, with a float taken as it is (the common case: once a row, each
+    figure)."""
+    return x if type(x) is float else as_number(x)
 
 
 def _guard_events(events: list[dict[str, Any]]) -> list[GuardEvent]:
@@ -339,8 +363,9 @@ def run_history(
     lay = RunLayout(run_dir)
     if not any(f.exists() or f.is_symlink() for f in (lay.metrics, lay.events)):
         return None
-    metrics, events, notes, unreadable, summary = _records(run_dir, step_limit, branch)
-    rows = _metrics_rows(metrics)
+    keeper = RowKeeper()
+    count, events, notes, unreadable, summary = _records(run_dir, step_limit, branch, keeper)
+    rows = keeper.rows()
     evs = [e for e in _guard_events(events) if e.step is not None]
     scaler_rows = scaler.rows if scaler is not None else []
     counts: dict[str, int] = {}
@@ -362,7 +387,7 @@ def run_history(
     h = History(
         source="run folder",
         run_dir=str(run_dir),
-        metrics_rows=len(metrics),
+        metrics_rows=count,
         events=counts,
         first_overflow_step=first_overflow,
         first_overflow_source=source,
@@ -418,29 +443,46 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
     A row whose grad norm is non-finite and whose loss is finite is a step the GradScaler
     skipped (the Trainer logs ``grad_norm: inf`` for it); one whose loss the Trainer's NaN filter
     logged as 0.0 is a non-finite loss."""
-    raw = [r for r in fh.rows if step_limit is None or r["step"] <= step_limit]
+    keeper = RowKeeper(by_step=False)  # as the tool logged them
     filtered: list[int] = []
+    counts = _RunningCounts()
+    counted: set[int] = set()
     prev: float | None = None
-    for r in raw:
+    for r in fh.rows:  # one pass (a reader may give its rows lazily)
+        if step_limit is not None and r["step"] > step_limit:
+            continue
         loss = as_number(r.get("loss"))
+        nan = False
         if fh.nan_filter and loss == 0.0:
             gn = as_number(r.get("grad_norm"))
             if (gn is not None and not math.isfinite(gn)) or (prev is not None and prev > 0):
                 filtered.append(r["step"])
+                nan = True
         if loss is not None and math.isfinite(loss) and loss != 0.0:
             prev = loss
-    rows = [
-        Row(
-            step=r["step"],
-            loss=math.nan if r["step"] in filtered else as_number(r.get("loss")),
-            grad_norm=as_number(r.get("grad_norm")),
-            learning_rate=as_number(r.get("learning_rate")),
-            scale=as_number(r.get("scale")),
-            skipped=as_number(r.get("skipped")),
+        keeper.add(
+            Row(
+                step=r["step"],
+                loss=math.nan if nan else loss,
+                grad_norm=as_number(r.get("grad_norm")),
+                learning_rate=as_number(r.get("learning_rate")),
+                scale=as_number(r.get("scale")),
+                skipped=as_number(r.get("skipped")),
+            )
         )
-        for r in raw
-    ]
-    counted = _counted_up(raw, "skipped") | _counted_up(raw, "overflow")  # running counts
+        for role in ("skipped", "overflow"):  # running counts another tool logs
+            if counts.went_up(role, r):
+                counted.add(r["step"])
+    if filtered:  # a step logged twice is a NaN in both rows when one of them was filtered
+        again = set(filtered)
+        rows = [
+            Row(r.step, math.nan, r.scale, r.skipped, r.grad_norm, r.grad_amax, r.learning_rate)
+            if r.step in again
+            else r
+            for r in keeper.rows()
+        ]
+    else:
+        rows = keeper.rows()
     nan_loss = [r.step for r in rows if r.loss is not None and not math.isfinite(r.loss)]
     bad_gn = [r.step for r in rows if r.grad_norm is not None and not math.isfinite(r.grad_norm)]
     first_nan = min(nan_loss) if nan_loss else None
@@ -449,7 +491,8 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
     breaks = [s for s in (first_nan, storm) if s is not None]
     h = History(
         source=fh.source,
-        metrics_rows=len(rows),
+        # rows the reader merged away (a long log) are counted as read
+        metrics_rows=keeper.seen + max(0, (fh.logged or 0) - len(fh.rows)),
         first_nan_loss_step=first_nan,
         nan_filtered_steps=filtered,
         first_nonfinite_grad_norm_step=min(bad_gn) if bad_gn else None,
@@ -457,35 +500,38 @@ def foreign_history(fh: ForeignHistory, step_limit: int | None) -> History:
         skipped_steps=sorted((set(bad_gn) - set(nan_loss)) | counted),
         scale_trajectory=_scale_changes((r.step, r.scale) for r in rows if r.scale is not None),
         columns=dict(fh.columns),
-        notes=list(fh.notes),
+        notes=list(fh.notes) + [n for n in [keeper.note(fh.source)] if n],
         rows=rows,
     )
     _trend(h)
     return h
 
 
-def _counted_up(rows: list[dict[str, Any]], role: str) -> set[int]:
-    """Steps where a running count another tool logs (skipped steps, overflows) went up."""
-    out: set[int] = set()
-    prev = 0.0
-    for r in rows:
-        v = as_number(r.get(role))
-        if v is not None and math.isfinite(v):
-            if v > prev:
-                out.add(r["step"])
-            prev = v
-    return out
+class _RunningCounts:
+    """Where a running count another tool logs (skipped steps, overflows) went up, row by row."""
+
+    def __init__(self) -> None:
+        self.prev: dict[str, float] = {}
+
+    def went_up(self, role: str, row: dict[str, Any]) -> bool:
+        v = as_number(row.get(role))
+        if v is None or not math.isfinite(v):
+            return False
+        up = v > self.prev.get(role, 0.0)
+        self.prev[role] = v
+        return up
 
 
 def unreadable_history(found: Any, h: History | None) -> list[Problem]:
-    """A history file that is there but could not be read is a finding, never silently absent:
-    ``history: FILE unreadable: WHY`` (a warning: the checkpoint's own state is still judged)."""
+    """A history file that is there but could not be read is named, never silently absent:
+    ``history: FILE unreadable: WHY``, a ``note``: it is no problem of the run by itself (the
+    verdict is made on what was read, and the checkpoint's own state is still judged)."""
     files = list(found.history_errors) + [tuple(u) for u in (h.unreadable if h else [])]
     return [
         Problem(
             "unreadable_history",
             f"history: {Path(name).name} unreadable: {why}",
-            severity="warning",
+            severity="note",
             file=str(name),
         )
         for name, why in files

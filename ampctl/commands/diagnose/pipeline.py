@@ -397,7 +397,7 @@ def _diagnose(
     j = judge(
         own=own,
         siblings=_sibling_facts(found, trust_code),
-        problems=problems + unread,
+        problems=problems,  # an unreadable history is named (a note), never judged
         h=hist,
         scaler=state.scaler,
         rep=rep if rep.ran else None,
@@ -433,7 +433,7 @@ def _diagnose(
         history=hist,
         replay=rep,
         fp8=fp8_section,
-        problems=j.problems,
+        problems=j.problems + unread,
         recommendations=recs,
         checkpoints=j.checkpoints,
         resume=Resume(j.resume, command, j.resume_why),

@@ -388,7 +388,7 @@ def _gradients(g: Gradients | None, console: Any) -> None:
 
 
 def _verdict(report: Report, console: Any) -> None:
-    problems = report.problems
+    problems = [p for p in report.problems if p.severity != "note"]  # notes: in their section
     v = report.verdict
     if not problems:
         style = "green bold" if v.status == "healthy" else "yellow bold"

@@ -17,14 +17,14 @@ value a format does not record is ``null`` ("unknown"), never 0::
                         "resumes": int},                   # resume events in events.jsonl
       "files": [{"file", "read": bool, "why"}],          # what was read, what was not and why
       "notes": [str],
-      "healthy": bool,                                   # true when "problems" is empty
+      "healthy": bool,                      # true when "problems" holds no error or warning
       "verdict": {"status": "healthy"|"recovered"|"broken",   # exit 0, 0, 1
                   "kind": str|null,                      # the first problem's kind (the cause)
                   "summary": str, "cause": str|null,     # one line each, in the user's terms
                   "first_bad_step": int|null,            # the first sign of unresolved trouble
                   "events": [str],                       # what the run went through, in words
                   "episodes": [{"kind", "start", "end", "resolved", "text"}]},
-      "problems": [{"kind", "severity": "error"|"warning", "message", ...details}],
+      "problems": [{"kind", "severity": "error"|"warning"|"note", "message", ...details}],
       "state": {
         "weights":   {"tensors", "elements", "amax", "limit", "bad": [BadTensor]},
         "master":    {... same ...} | null,              # fp32 masters (fp16-pure, ZeRO)
@@ -114,8 +114,10 @@ BadTensor: ``{"name", "param", "key", "nan", "posinf", "neginf", "above_limit", 
 Problem kinds: ``bad_scale``, ``scale_collapsed``, ``nonfinite_weights``, ``extreme_weights``,
 ``nonfinite_master``, ``extreme_master``, ``nonfinite_optimizer_state``,
 ``extreme_optimizer_state``, ``scale_at_floor``, ``refused_file``, ``unreadable_file``,
-``unreadable_history`` (a warning: ``history: FILE unreadable: WHY``, a history file that is
-there but over the size cap, a symlink out of its folder, not JSON, nested too deeply ...),
+``unreadable_history`` (a note, which never changes the verdict or the exit code: ``history: FILE
+unreadable: WHY``, a history file that is there but a symlink out of its folder, not JSON, pickle
+or binary bytes ...; a history is never refused for its size, and a line or entry over the
+per-line cap is skipped and counted in the history's notes),
 ``nan_loss`` (non-finite to the end of the record), ``lr_divergence`` (the loss left its course
 while the updates were applied, and did not come back or went non-finite: :mod:`.course`),
 ``overflow_storm`` (``STORM_MIN`` skipped steps in a row, still going), ``grad_norm_explosion``,
@@ -132,7 +134,7 @@ A run folder without checkpoints (e.g. written by :class:`ampctl.integrations.Pr
 ``checkpoint.step`` is null, ``checkpoints`` is empty, ``state`` holds no tensors, and the
 history and the replay's reason are what is reported.
 
-Exit codes of ``ampctl diagnose``: 0 healthy or recovered (no problem), 1 problems found (the
+Exit codes of ``ampctl diagnose``: 0 healthy or recovered (no problem; notes allowed), 1 problems found (the
 verdict is ``broken``), 2 bad input.
 """
 
@@ -188,7 +190,7 @@ def build_report(
         branch=branch,
         files=[f.as_dict() for f in found.files],
         notes=list(found.notes),
-        healthy=not problems,
+        healthy=not [p for p in problems if p.severity != "note"],
         problems=problems,
         state=state,
         history=history,

@@ -89,7 +89,8 @@ def to_json(x: Any) -> Any:
 # ---------------------------------------------------------------------------- problems
 @dataclass
 class Problem:
-    """A finding. ``severity``: ``error`` (the run is broken here) or ``warning``. The details
+    """A finding. ``severity``: ``error`` (the run is broken here), ``warning``, or ``note``
+    (named in the report, never changes the verdict: a history that could not be read). The details
     name what it is about (a step, a module, tensors, parameters, layers, a file)."""
 
     kind: str

@@ -20,6 +20,7 @@ trouble (:attr:`~.course.Course.first_bad_step`), never one written after it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -448,9 +449,10 @@ def _spikes(h: History | None) -> str | None:
 def _story(h: History | None, course: Course) -> list[str]:
     """What the run went through, in step order, in words."""
     items: list[tuple[int, str]] = []
+    acted = _recovery_steps(h)
     for e in course.episodes:
         if e.kind in ("storm", "nonfinite_loss", "departure", "loss_spike") or (
-            e.kind == "isolated" and _acted_on(h, e)
+            e.kind == "isolated" and _acted_on(acted, e)
         ):
             items.append((e.start, _overflow_words(h, e)))
     sp = _spikes(h)
@@ -472,15 +474,21 @@ def _story(h: History | None, course: Course) -> list[str]:
     return [t if n == 1 else f"{t} ({n}x)" for t, n in told]
 
 
-def _acted_on(h: History | None, e: Episode) -> bool:
-    end = e.end
-    return any(
-        g.kind in _RECOVERIES and e.start <= g.step <= end + 1
-        for g in (h.guard_events if h else [])
-    ) or any(
-        g.kind == "rollback" and e.start <= int(g.data.get("from_step", g.step)) <= end + 1
-        for g in (h.guard_events if h else [])
-    )
+def _recovery_steps(h: History | None) -> list[int]:
+    """The steps the guard acted at, sorted (a rollback also at the step its rule fired): looked
+    up by bisection for each episode (linear in the events, not episodes x events)."""
+    events = h.guard_events if h else []
+    steps = [g.step for g in events if g.kind in _RECOVERIES]
+    steps += [int(g.data.get("from_step", g.step)) for g in events if g.kind == "rollback"]
+    return sorted(steps)
+
+
+def _acted_on(h: History | list[int] | None, e: Episode) -> bool:
+    """Whether the guard acted from the episode's first step to the step after its last (``h``:
+    the history, or its :func:`_recovery_steps` when asked for many episodes)."""
+    acted = h if isinstance(h, list) else _recovery_steps(h)
+    k = bisect.bisect_left(acted, e.start)
+    return k < len(acted) and acted[k] <= e.end + 1
 
 
 def _overflow_words(h: History | None, e: Episode) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ampctl.amp.precision import saved_in_fp32
-from ampctl.runlog import RunLayout, RunRecord, is_run_dir
+from ampctl.runlog import RunLayout, is_run_dir, read_json
 from ampctl.runlog.layout import CHECKPOINT_NAME, list_checkpoints
 from ampctl.runlog.readers import RunFileError, load_config_text
 from ampctl.trust_paths import check_folder_inside
@@ -104,12 +104,12 @@ def _note_unread_run_config(found: Found) -> None:
 def _history_only(run_dir: Path) -> Found:
     """A run folder without checkpoints (e.g. written by ampctl.integrations.ProtectedRun):
     its records only; the precision from its config.yaml or summary.json."""
-    rec = RunRecord.read(run_dir, strict=True)
-    cfg = rec.config or {}
+    config = _run_config(run_dir)  # (its metrics are the history's: streamed there, not here)
+    cfg = config or {}
     prec = cfg.get("precision")
     name = prec.get("name") if isinstance(prec, dict) else None
     if not isinstance(name, str):
-        name = (rec.summary or {}).get("precision")
+        name = (read_json(RunLayout(run_dir).summary) or {}).get("precision")
     who = cfg.get("integration")
     found = Found(
         format=FORMAT_NAME,
@@ -117,7 +117,7 @@ def _history_only(run_dir: Path) -> Found:
         precision=name if isinstance(name, str) else None,
         precision_source=f"{RunLayout.CONFIG}" if isinstance(name, str) else None,
         run_dir=run_dir,
-        run_config=rec.config,
+        run_config=config,
     )
     found.notes.append(
         f"no checkpoint in this run folder (looked for {RunLayout.CHECKPOINTS}/step_*.pt): "

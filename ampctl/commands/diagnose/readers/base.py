@@ -124,6 +124,8 @@ class ForeignHistory:
     columns: dict[str, str] = field(default_factory=dict)  # role -> the tool's column name
     notes: list[str] = field(default_factory=list)
     nan_filter: bool = False  # HF Trainer logs a NaN loss as 0.0 (logging_nan_inf_filter)
+    #: rows the reader read, when it kept fewer (a long log, kept bounded: see ``diagnose.rows``)
+    logged: int | None = None
 
 
 @dataclass

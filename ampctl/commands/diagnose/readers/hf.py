@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from ampctl.errors import UsageError
-from ampctl.runlog.readers import RunFileError, load_json
+from ampctl.runlog.readers import JsonArrayStream, as_number
 from ampctl.trust import read_bounded
 
+from ..rows import RowKeeper
+from ..stages import Row
 from .base import (
     FileNote,
     ForeignHistory,
@@ -81,23 +83,68 @@ def _step_of(p: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _trainer_state(found: Found, path: Path) -> dict[str, Any]:
-    """``trainer_state.json``; one that cannot be read is kept in ``found.history_errors``."""
-    try:
-        state = load_json(path / TRAINER_STATE)
-    except RunFileError as e:
-        found.history_errors.append((TRAINER_STATE, e.reason))
-        return {}
-    if not isinstance(state, dict):
+def _trainer_state(found: Found, path: Path) -> tuple[dict[str, Any], ForeignHistory | None]:
+    """``trainer_state.json`` in one pass (:class:`~ampctl.runlog.readers.JsonArrayStream`):
+    its top-level keys, and its ``log_history`` entries one at a time into a bounded
+    :class:`~..rows.RowKeeper` (an entry over the per-entry cap is skipped and counted; the file
+    is never refused for its size). What cannot be read is kept in ``found.history_errors``."""
+    source = path / TRAINER_STATE
+    stream = JsonArrayStream(source, "log_history")
+    keeper = RowKeeper(by_step=False)
+    for r in stream:
+        row = _log_row(r)
+        if row is not None:
+            keeper.add(row)
+    rows = keeper.rows()
+    if stream.error is not None:
+        read = f"; the {stream.entries} log_history entries before it were read" if rows else ""
+        found.history_errors.append((TRAINER_STATE, stream.error + read))
+    elif stream.bad_count and not rows:
+        n = stream.bad_count
         found.history_errors.append(
-            (TRAINER_STATE, f"holds a {type(state).__name__}, not an object")
+            (
+                TRAINER_STATE,
+                f"{stream.bad_why}: {n} log_history entr{'y' if n == 1 else 'ies'} skipped",
+            )
         )
-        return {}
-    return state
+    if not rows:
+        return stream.top, None
+    notes = [n for n in (stream.note(), keeper.note(str(source))) if n]
+    return stream.top, ForeignHistory(
+        source=str(source),
+        rows=[
+            {
+                "step": r.step,
+                "loss": r.loss,
+                "grad_norm": r.grad_norm,
+                "learning_rate": r.learning_rate,
+            }
+            for r in rows
+        ],
+        columns={"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"},
+        notes=notes,
+        nan_filter=True,
+        logged=keeper.seen,
+    )
+
+
+def _log_row(r: Any) -> Row | None:
+    """A training row of ``log_history`` (eval rows and the final train summary are not)."""
+    if not isinstance(r, dict) or "loss" not in r and "grad_norm" not in r:
+        return None
+    step = r.get("step")
+    if not isinstance(step, int):
+        return None
+    return Row(
+        step=step,
+        loss=as_number(r.get("loss")),
+        grad_norm=as_number(r.get("grad_norm")),
+        learning_rate=as_number(r.get("learning_rate")),
+    )
 
 
 def _read_files(found: Found, path: Path) -> None:
-    state = _trainer_state(found, path)
+    state, history = _trainer_state(found, path)
     step = state.get("global_step")
     found.step = (
         step if isinstance(step, int) else (_step_of(path) if _step_of(path) >= 0 else None)
@@ -134,7 +181,7 @@ def _read_files(found: Found, path: Path) -> None:
             "precision unknown: training_args.bin (pickled) is not read and there is no "
             "scaler.pt (fp32 or bf16); pass --precision to replay in the run's precision"
         )
-    found.history = history_of(state, path / TRAINER_STATE)
+    found.history = history
     if found.model_dir is not None:
         try:
             found.param_orders = hf_param_orders(found.model_dir, len(found.weights))
@@ -167,33 +214,6 @@ def nan_filtered(row: dict[str, Any], previous_loss: float | None) -> bool:
     if isinstance(gn, int | float) and not math.isfinite(gn):
         return True
     return previous_loss is not None and previous_loss > 0
-
-
-def history_of(state: dict[str, Any], source: Path) -> ForeignHistory | None:
-    rows = []
-    logged = state.get("log_history")
-    for r in logged if isinstance(logged, list) else []:
-        if not isinstance(r, dict) or "loss" not in r and "grad_norm" not in r:
-            continue  # eval rows, the final train summary
-        step = r.get("step")
-        if not isinstance(step, int):
-            continue
-        rows.append(
-            {
-                "step": step,
-                "loss": r.get("loss"),
-                "grad_norm": r.get("grad_norm"),
-                "learning_rate": r.get("learning_rate"),
-            }
-        )
-    if not rows:
-        return None
-    return ForeignHistory(
-        source=str(source),
-        rows=rows,
-        columns={"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"},
-        nan_filter=True,
-    )
 
 
 # ---------------------------------------------------------------------------- names

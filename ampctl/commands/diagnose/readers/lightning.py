@@ -13,16 +13,18 @@ checked by shape.
 from __future__ import annotations
 
 import csv
-import io
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ampctl.runlog.readers import RunFileError
-from ampctl.trust import FileRefused, read_bounded
+from ampctl.trust import FileRefused, iter_lines
 
+from ..rows import RowKeeper
+from ..stages import Row
 from .base import FileNote, ForeignHistory, Found, NotACheckpoint, float_tensors, load_torch
 from .plain import is_optimizer_state, is_scaler_state
 
@@ -150,30 +152,85 @@ def _float(x: Any) -> float | None:
         return None
 
 
+#: Steps of metrics.csv merged in memory before the lowest are handed on (a logger writes a
+#: step's metrics on neighbouring rows; a file with fewer steps is merged whole, as it was).
+_PENDING = 4096
+
+
+def _csv_lines(path: Path, skipped: list[int]) -> Iterator[str]:
+    """The lines of a CSV file, streamed (:func:`~ampctl.trust.iter_lines`); one longer than the
+    per-line cap is skipped and its number kept in ``skipped``."""
+    for n, raw in iter_lines(path):
+        if raw is None:
+            skipped.append(n)
+            continue
+        yield raw.decode("utf-8", errors="replace") + "\n"
+
+
 def _csv_history(path: Path) -> ForeignHistory | None:
-    """The logger's ``metrics.csv`` (read whole, under the size cap). Raises
-    :class:`~ampctl.runlog.readers.RunFileError` for one that cannot be read."""
+    """The logger's ``metrics.csv``, one record at a time in one pass (a line over the per-line
+    cap is skipped and counted, never the file refused for its size), its rows merged by step
+    into a bounded :class:`~..rows.RowKeeper`. Raises
+    :class:`~ampctl.runlog.readers.RunFileError` for one that cannot be read at all."""
+    skipped: list[int] = []
+    keeper = RowKeeper()
+    pending: dict[int, dict[str, Any]] = {}
+    cols: dict[str, str] | None = None
+    broken = None
     try:
-        text = read_bounded(path).decode("utf-8", errors="replace")
-        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+        reader = csv.DictReader(_csv_lines(path, skipped))
+        for r in reader:
+            if cols is None:
+                cols = _pick([k for k in r if isinstance(k, str)])
+            step = _float(r.get("step"))
+            if step is None or not math.isfinite(step):
+                continue
+            row = pending.setdefault(int(step), {"step": int(step)})
+            for role, col in cols.items():
+                v = _float(r.get(col)) if r.get(col) not in (None, "") else None
+                if v is not None:
+                    row[role] = v
+            if len(pending) > _PENDING:
+                _hand_on(keeper, pending, min(pending))
     except FileRefused as e:
         raise RunFileError(path, e.reason) from None
     except csv.Error as e:
-        raise RunFileError(path, f"is not a CSV file the logger wrote: {e}") from None
-    if not rows:
+        broken = f"is not a CSV file the logger wrote: {e}"
+    for s in sorted(pending):
+        _hand_on(keeper, pending, s)
+    if broken is not None and not keeper.seen:
+        raise RunFileError(path, broken)
+    if cols is None:
         return None
-    cols = _pick(list(rows[0].keys()))
-    merged: dict[int, dict[str, Any]] = {}
-    for r in rows:
-        step = _float(r.get("step"))
-        if step is None or not math.isfinite(step):
-            continue
-        row = merged.setdefault(int(step), {"step": int(step)})
-        for role, col in cols.items():
-            v = _float(r.get(col)) if r.get(col) not in (None, "") else None
-            if v is not None:
-                row[role] = v
-    return ForeignHistory(source=str(path), rows=[merged[s] for s in sorted(merged)], columns=cols)
+    notes = [f"{path}: {broken} (the rows before it were read)"] if broken else []
+    if skipped:
+        where = ", ".join(map(str, skipped[:5]))
+        notes.append(f"{path}: skipped {len(skipped)} line(s) over the per-line cap ({where})")
+    if (n := keeper.note(str(path))) is not None:
+        notes.append(n)
+    rows = [
+        {"step": r.step} | {k: v for k, v in _roles(r).items() if v is not None}
+        for r in keeper.rows()
+    ]
+    return ForeignHistory(
+        source=str(path), rows=rows, columns=cols, notes=notes, logged=keeper.seen
+    )
+
+
+def _hand_on(keeper: RowKeeper, pending: dict[int, dict[str, Any]], step: int) -> None:
+    r = pending.pop(step)
+    keeper.add(
+        Row(
+            step=step,
+            loss=r.get("loss"),
+            grad_norm=r.get("grad_norm"),
+            learning_rate=r.get("learning_rate"),
+        )
+    )
+
+
+def _roles(r: Row) -> dict[str, float | None]:
+    return {"loss": r.loss, "grad_norm": r.grad_norm, "learning_rate": r.learning_rate}
 
 
 def _tb_history(d: Path) -> ForeignHistory | None:
