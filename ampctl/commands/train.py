@@ -140,6 +140,7 @@ def run_train(
     if not ctx.is_main:
         return trainer.run().exit_code
     write_config(run_dir, cfg.to_dict())
+    trainer.hint_overrides = list(overrides) if ck is None else None
     with display:
         result = trainer.run(close_log=False)  # the sinks stay open for the plot
     try:
@@ -158,9 +159,8 @@ def _remove_new_run(run_dir: Path) -> None:
 
 
 def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
-    summary = dict(result.summary)
-    if result.status != "ok":
-        summary["resume_hint"] = f"ampctl train --resume {run_dir}"
+    summary = dict(result.summary)  # its resume_hint is the one hint (Trainer._summary)
+    hint, note = summary.get("resume_hint"), summary.get("resume_note")
     display.summary(summary)
     if cfg.logging.plot:
         from ampctl.commands.plot import maybe_plot_run
@@ -170,26 +170,17 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
             trainer.log.artifact(got)
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
+    then = (f"; {note}" if note else "") + (f": {hint}" if hint else "")
     if result.status == "diverged":
-        good = summary.get("last_good_checkpoint")
         console.print(
             "[red]Training stopped: the loss diverged[/red] (see the divergence event in "
-            "events.jsonl). Lower optim.lr (halve it, or more), or add warmup (optim.warmup_steps) "
-            "or clipping (optim.clip_grad_norm)"
-            + (
-                f", and resume from the last good checkpoint: ampctl train --resume {good} optim.lr=..."
-                if good
-                else ""
-            )
-            + ".",
+            f"events.jsonl){escape(then)}",
             highlight=False,
             soft_wrap=True,
         )
     elif result.status == "aborted":
         console.print(
-            "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
-            f"`ampctl diagnose {escape(str(run_dir))}`, precision=bf16, a lower optim.lr, or "
-            "scaler.init_scale lower.",
+            f"[red]Training aborted by the overflow guard[/red] (see events.jsonl){escape(then)}",
             highlight=False,
             soft_wrap=True,
         )
@@ -201,7 +192,7 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
         )
     elif result.status == "interrupted":
         console.print(
-            f"Interrupted. Resume with: ampctl train --resume {run_dir}",
+            f"Interrupted. Resume with: {hint}",
             highlight=False,
             markup=False,
             soft_wrap=True,
