@@ -27,7 +27,7 @@ from .fp8 import fp8_problems
 from .health import applied_updates, state_health
 from .history import branch_of, foreign_history, run_history, unreadable_history
 from .readers.base import Found, ReaderError
-from .recommend import Settings, recommend, resume_command
+from .recommend import Settings, apply_probe, recommend, resume_command
 from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
 from .report import build_report, report_json
 from .stages import (
@@ -310,6 +310,7 @@ def diagnose_report(
     trust_code: bool = False,
     data: str | Path | None = None,
     max_memory: int | None = None,
+    probe: bool = True,
 ) -> Report:
     """Diagnose a checkpoint file or folder of any supported format; returns the report typed
     (:class:`~.stages.Report`; :func:`diagnose` returns it as JSON values).
@@ -325,7 +326,7 @@ def diagnose_report(
     from ampctl import trust
 
     with trust.max_memory(max_memory):
-        return _diagnose(path, batches, precision, device, fmt, trust_code, data)
+        return _diagnose(path, batches, precision, device, fmt, trust_code, data, probe)
 
 
 def _read(path: str | Path, fmt: str | None, trust_code: bool, data_file: Path | None) -> Found:
@@ -349,6 +350,28 @@ def _history(
     return hist, unreadable_history(found, hist)
 
 
+def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool):
+    """The advice tried before it is printed (:mod:`.probe`)."""
+    from .probe import ProbeOutcome, probe_advice
+    from .recommend import resume_overrides
+
+    if not probe:
+        return ProbeOutcome(False, "--no-probe")
+    has_lr = any(r.key == "optim.lr" for r in recs)
+    ladder = list(j.lr.ladder) if has_lr and j.lr is not None else []
+    overrides = resume_overrides(recs) if j.resume else [r.override for r in recs]
+    return probe_advice(
+        fmt=found.format,
+        cfg=cfg,
+        cfg_reason=cfg_reason,
+        resume=j.resume,
+        overrides=overrides,
+        ladder=ladder,
+        trust_code=trust_code,
+        device=dev,
+    )
+
+
 def _diagnose(
     path: str | Path,
     batches: int,
@@ -357,6 +380,7 @@ def _diagnose(
     fmt: str | None,
     trust_code: bool,
     data: str | Path | None,
+    probe: bool = True,
 ) -> Report:
     dev = check_options(batches, precision, device)
     data_file = Path(data) if data is not None else None
@@ -420,6 +444,11 @@ def _diagnose(
     )
     healthy = any(c.healthy for c in j.checkpoints)
     before = j.verdict.first_bad_step if healthy else None
+    checked = None
+    if j.problems and recs:
+        outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe)
+        recs = apply_probe(recs, outcome)
+        checked = outcome.line()
     command = resume_command(terms, j.resume, recs, len(j.checkpoints), before)
     if who is not None and not j.checkpoints:
         command = (
@@ -435,7 +464,7 @@ def _diagnose(
         problems=j.problems,
         recommendations=recs,
         checkpoints=j.checkpoints,
-        resume=Resume(j.resume, command, j.resume_why),
+        resume=Resume(j.resume, command, j.resume_why, checked),
         branch=branch,
         verdict=j.verdict,
     )

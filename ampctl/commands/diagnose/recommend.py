@@ -6,7 +6,8 @@ checkpoint written by another tool, the same change in that tool's terms (``your
 ``TrainingArguments`` names for the HF Trainer, the ``Trainer``/plugin arguments for Lightning,
 ``Accelerator``/``GradScaler`` arguments for Accelerate and plain loops, ``ds_config`` keys for
 DeepSpeed. Which changes follow from the verdict's cause (:mod:`.verdict`): an lr divergence
-lowers the lr by the factor the history gives (and warms it up or clips), a module whose forward
+uses the lr the history gives (:func:`.verdict.lr_change`: the lr at which the loss last fell,
+no fixed factor; warmup or clipping too) and changes no precision, a module whose forward
 or backward leaves fp16's range runs in fp32 (or the run in bf16), a collapsed scale gets the fix
 of its cause, an overflow storm of unknown cause the guard's rollback. The recommended
 ``init_scale`` is :func:`ampctl.amp.formats.recommended_init_scale` (S* = 65504 / max|g| rounded
@@ -29,7 +30,7 @@ from .verdict import Judgement
 
 DEFAULT_MAX_SCALE = ScalerConfig.max_scale  # LossScaler's default ceiling (2^24)
 
-__all__ = ["recommend", "yours", "resume_command", "resume_overrides", "Settings"]
+__all__ = ["apply_probe", "recommend", "yours", "resume_command", "resume_overrides", "Settings"]
 
 
 @dataclass
@@ -209,9 +210,12 @@ def recommend(
     kinds = {p.kind for p in j.problems}
     # 1) lr: a divergence lowers it by the history's factor; exploding updates halve it
     _lr_rules(recs, settings, kinds, j)
+    # an lr divergence is the cause: the overflows it led to are its effect, so no precision
+    # change (the module overflowed because the weights blew up, not for fp16's range)
+    lr_cause = j.problems and j.problems[0].kind == "lr_divergence"
     # 2) fp32 modules: the replay's first overflowing module (forward or backward), what the
     #    guard promoted, the modules of the parameters a storm named
-    new, persistent = _fp32_modules(rep, hist, in_fp32, j)
+    new, persistent = _fp32_modules(rep, hist, in_fp32, j) if not lr_cause else ([], False)
     if new:
         mods = list(dict.fromkeys(settings.fp32_modules + in_fp32 + new))
         one = len(new) == 1
@@ -224,8 +228,9 @@ def recommend(
         recs.add(f"precision.fp32_modules=[{','.join(mods)}]", add_reason)
     # 3) bf16: forward overflows that fp32 modules do not cure, a backward that leaves fp16's
     #    range, a scale that collapsed on persistent overflow, or that cannot go lower
-    _bf16_rules(recs, rep, hist, state, kinds, j, precision, bf16_ok, persistent)
-    if hist is not None and hist.fallbacks and hist.fallbacks[-1].to:
+    if not lr_cause:
+        _bf16_rules(recs, rep, hist, state, kinds, j, precision, bf16_ok, persistent)
+    if not lr_cause and hist is not None and hist.fallbacks and hist.fallbacks[-1].to:
         last = hist.fallbacks[-1]
         recs.add(f"precision={last.to}", f"the guard fell back to {last.to} at step {last.step}")
     # 4) fp8: keep the layers with too little headroom out of fp8 (the config key the plugin
@@ -252,18 +257,9 @@ def recommend(
 
 
 def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) -> None:
-    if j.lr is not None and settings.lr is not None:
-        factor, why = j.lr
-        recs.add(
-            f"optim.lr={plain(_round(settings.lr / factor))}",
-            f"the learning rate made the run diverge: {why}; lower it {factor:.3g}x",
-        )
-        d = j.course.departure
-        if d is not None and d.never_improved and not settings.warmup_steps:
-            recs.add(
-                f"optim.warmup_steps={max(10, 2 * d.step)}",
-                "the loss rose at the first updates: ramp the learning rate up",
-            )
+    """1) the lr the history gives (:func:`.verdict.lr_change`; a probe may replace it with the
+    best candidate that held, :mod:`.probe`), a warmup when the loss rose from the first
+    updates, and clipping."""
     exploding = {
         "nonfinite_optimizer_state",
         "extreme_optimizer_state",
@@ -272,12 +268,26 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
         "backward_nonfinite_fp32",
     }
     unchecked = kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled
-    if kinds & exploding and settings.lr is not None and not unchecked:
-        recs.add(
-            f"optim.lr={plain(settings.lr / 2)}",
-            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too): halve "
-            "the learning rate",
+    ch = j.lr
+    lr_cause = "lr_divergence" in kinds or (kinds & exploding and not unchecked)
+    if ch is not None and ch.lr is not None and lr_cause:
+        what = (
+            "the learning rate made the run diverge"
+            if "lr_divergence" in kinds
+            else "updates diverged (optimizer state, grad norm, or non-finite in fp32 too)"
         )
+        since = f" (from {plain(_round(settings.lr))})" if settings.lr else ""
+        recs.add(
+            f"optim.lr={plain(_round(ch.lr))}",
+            f"{what}: {ch.why}; use lr {plain(_round(ch.lr))}{since}"
+            + ("" if ch.known else " (not known to hold: the probe tries it)"),
+        )
+        d = j.course.departure
+        if d is not None and d.never_improved and not settings.warmup_steps:
+            recs.add(
+                f"optim.warmup_steps={max(10, 2 * d.step)}",
+                "the loss rose at the first updates: ramp the learning rate up",
+            )
     if (
         kinds & (exploding | {"lr_divergence"})
         and (settings.lr is not None or j.lr)
@@ -390,6 +400,27 @@ def _fp8_rules(fp8: Fp8Section | None, add: Callable[[str, str], None], bf16_ok:
             "fp8 casts went non-finite or half the fp8 layers lack headroom: fall back to bf16 "
             "if excluding them does not cure it",
         )
+
+
+def apply_probe(recs: list[Recommendation], outcome) -> list[Recommendation]:
+    """The recommendations with the lr the probe chose (:class:`.probe.ProbeOutcome`): the best
+    candidate that held replaces the history's ``optim.lr``; with none held, the reason says so."""
+    out = []
+    for r in recs:
+        if r.key == "optim.lr" and outcome.ran:
+            chosen = outcome.chosen
+            if chosen is not None and chosen.lr is not None:
+                override = f"optim.lr={plain(chosen.lr)}"
+                r = Recommendation(
+                    override,
+                    f"{r.reason.split('; use lr')[0]}; the probe tried "
+                    f"{len(outcome.trials)} lr(s) and lr {plain(chosen.lr)} held best",
+                    r.yours,  # None: only ampctl runs are probed
+                )
+            elif chosen is None:
+                r = Recommendation(r.override, f"{r.reason}; the probe: it did not hold", r.yours)
+        out.append(r)
+    return out
 
 
 def resume_overrides(recs: list[Recommendation]) -> list[str]:

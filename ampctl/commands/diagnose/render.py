@@ -434,6 +434,8 @@ def _checkpoints(report: Report, console: Any) -> None:
             _say(console, f"  checked {ck.path}: {state}")
     res = report.resume
     if problems:
+        if res.probe:
+            _say(console, res.probe)
         console.print(Text.assemble(("Resume: ", "bold"), (res.command, "cyan")), soft_wrap=True)
         if res.why and res.checkpoint is not None:
             _say(console, f"  ({res.why})")
