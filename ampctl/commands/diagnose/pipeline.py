@@ -27,7 +27,7 @@ from .fp8 import fp8_problems
 from .health import applied_updates, state_health
 from .history import branch_of, foreign_history, run_history, unreadable_history
 from .readers.base import Found, ReaderError
-from .recommend import Settings, apply_probe, recommend, resume_command
+from .recommend import Settings, apply_probe, fresh_overrides, recommend, resume_command
 from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
 from .report import build_report, report_json
 from .stages import (
@@ -350,8 +350,17 @@ def _history(
     return hist, unreadable_history(found, hist)
 
 
-def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool):
-    """The advice tried before it is printed (:mod:`.probe`)."""
+def _at_the_end(j: Any, cfg: Any) -> bool:
+    """Whether the resume checkpoint is an ampctl run's last step (``trainer.max_steps``):
+    resuming it trains nothing, so the change is tried and given as a fresh start."""
+    if j.resume is None or cfg is None or not j.problems:
+        return False
+    step = next((c.step for c in j.checkpoints if c.path == j.resume), None)
+    return step is not None and step >= cfg.trainer.max_steps
+
+
+def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool, origin):
+    """The advice tried before it is printed (:mod:`.probe`) from ``origin`` (None: afresh)."""
     from .probe import ProbeOutcome, probe_advice
     from .recommend import resume_overrides
 
@@ -359,12 +368,12 @@ def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool):
         return ProbeOutcome(False, "--no-probe")
     has_lr = any(r.key == "optim.lr" for r in recs)
     ladder = list(j.lr.ladder) if has_lr and j.lr is not None else []
-    overrides = resume_overrides(recs) if j.resume else [r.override for r in recs]
+    overrides = resume_overrides(recs) if origin else [r.override for r in recs]
     return probe_advice(
         fmt=found.format,
         cfg=cfg,
         cfg_reason=cfg_reason,
-        resume=j.resume,
+        resume=origin,
         overrides=overrides,
         ladder=ladder,
         trust_code=trust_code,
@@ -445,11 +454,17 @@ def _diagnose(
     healthy = any(c.healthy for c in j.checkpoints)
     before = j.verdict.first_bad_step if healthy else None
     checked = None
+    origin = None if _at_the_end(j, cfg) else j.resume  # a run's last step resumes nothing
     if j.problems and recs:
-        outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe)
+        outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe, origin)
         recs = apply_probe(recs, outcome)
         checked = outcome.line()
-    command = resume_command(terms, j.resume, recs, len(j.checkpoints), before)
+    fresh = fresh_overrides(found.config) if found.format == "ampctl" and cfg is not None else None
+    command = resume_command(terms, origin, recs, len(j.checkpoints), before, fresh)
+    if origin is None and j.resume is not None and recs:
+        command = command.split("   #", 1)[0] + (
+            "   # the healthy checkpoint is the run's last step: rerun it with the changes"
+        )
     if who is not None and not j.checkpoints:
         command = (
             f"no checkpoint in the run folder: rerun your loop ({who} integration) from your "

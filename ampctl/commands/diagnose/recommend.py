@@ -30,7 +30,15 @@ from .verdict import Judgement
 
 DEFAULT_MAX_SCALE = ScalerConfig.max_scale  # LossScaler's default ceiling (2^24)
 
-__all__ = ["apply_probe", "recommend", "yours", "resume_command", "resume_overrides", "Settings"]
+__all__ = [
+    "apply_probe",
+    "fresh_overrides",
+    "recommend",
+    "yours",
+    "resume_command",
+    "resume_overrides",
+    "Settings",
+]
 
 
 @dataclass
@@ -433,12 +441,96 @@ def resume_overrides(recs: list[Recommendation]) -> list[str]:
     ]
 
 
+def _value(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list | tuple):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, float):
+        return plain(v)
+    return str(v)
+
+
+def _leaves(d: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def fresh_overrides(saved: dict | None) -> list[str] | None:
+    """The ``key=value`` overrides that make ``ampctl train``'s default config the run's saved
+    one (``+key=`` for a key the default lacks, ``~key`` for one the run dropped; ``name`` left
+    out so that the fresh run gets a folder of its own): a fresh start of the same run. Plain
+    data only (the saved config is not evaluated). None: no config, or not one of ampctl's."""
+    from ampctl.config import ConfigError, load_config
+
+    if not isinstance(saved, dict):
+        return None
+    try:
+        default = _leaves(load_config([]).to_dict())
+    except ConfigError:
+        return None
+    mine = _leaves(saved)
+    out = []
+    for group in _GROUP_NAMES:  # a group that is mostly another option: that option, then diffs
+        choice = _group_choice(group, mine, default)
+        if choice is not None:
+            out.append(f"{group}={choice[0]}")
+            default.update(choice[1])
+    for k, v in mine.items():
+        if k == "name" or isinstance(v, dict):
+            continue
+        if k not in default:
+            out.append(f"+{k}={_value(v)}")
+        elif default[k] != v:
+            out.append(f"{k}={_value(v)}")
+    out += [f"~{k}" for k in default if k not in mine and k != "name"]
+    return out
+
+
+_GROUP_NAMES = ("model", "data", "optim", "precision", "scaler", "guard")
+#: A group of the saved config is matched against the packaged options only when it differs from
+#: the default option in more keys than this (composing each option costs a Hydra compose).
+_GROUP_DIFFS = 5
+
+
+def _group_choice(
+    group: str, mine: dict[str, object], default: dict[str, object]
+) -> tuple[str, dict[str, object]] | None:
+    """The packaged option of ``group`` (``conf/<group>/*.yaml``) closest to the saved config,
+    when it is closer than the default, and its leaves."""
+    from ampctl.config import ConfigError, load_config, packaged_conf_dir
+
+    def diffs(leaves: dict[str, object]) -> int:
+        keys = {k for k in (*leaves, *mine) if k.startswith(f"{group}.")}
+        return sum(leaves.get(k) != mine.get(k) for k in keys)
+
+    best = (diffs(default), None, None)
+    if best[0] <= _GROUP_DIFFS:
+        return None
+    for opt in sorted(p.stem for p in (packaged_conf_dir() / group).glob("*.yaml")):
+        try:
+            leaves = _leaves(load_config([f"{group}={opt}"]).to_dict())
+        except ConfigError:
+            continue
+        n = diffs(leaves)
+        if n < best[0]:
+            best = (n, opt, {k: v for k, v in leaves.items() if k.startswith(f"{group}.")})
+    return None if best[1] is None else (best[1], best[2])
+
+
 def resume_command(
     fmt: str,
     checkpoint: str | None,
     recs: list[Recommendation],
     checked: int = 1,
     before: int | None = None,
+    fresh: list[str] | None = None,
 ) -> str:
     """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line).
     ``before``: the first sign of trouble, when no checkpoint was written before it."""
@@ -450,10 +542,11 @@ def resume_command(
     if fmt == "ampctl":
         if checkpoint is None:
             short = "none before the trouble" if before is not None else "no healthy checkpoint"
-            return (
-                " ".join(["ampctl train", *[r.override for r in recs if r.override]])
-                + f"   # {short}: start afresh"
-            )
+            changes = [r.override for r in recs if r.override]
+            keys = {c.split("=", 1)[0] for c in changes}
+            # the run's own config (fresh), its keys that a change sets left to the change
+            base = [o for o in fresh or [] if o.lstrip("+~").split("=", 1)[0] not in keys]
+            return " ".join(["ampctl train", *base, *changes]) + f"   # {short}: start afresh"
         return " ".join(["ampctl train --resume", checkpoint, *resume_overrides(recs)])
     if checkpoint is None:
         return f"{none}: start afresh with the changes above"

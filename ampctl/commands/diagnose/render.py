@@ -26,7 +26,7 @@ def _header(report: Report, console: Any) -> None:
         if c.precision_source and c.precision_source != "checkpoint"
         else ""
     )
-    mods = f", fp32 modules: {', '.join(c['fp32_modules'])}" if c.fp32_modules else ""
+    mods = f", fp32 modules: {', '.join(c.fp32_modules)}" if c.fp32_modules else ""
     step = c.step if c.step is not None else "unknown"
     if c.step is None and not report.checkpoints:
         step = "- (no checkpoint)"

@@ -241,12 +241,16 @@ class Corpus:
         default_factory=dict
     )
 
-    def diagnose(self, path: Path, *args: str) -> tuple[int, dict[str, Any] | None, str]:
+    def diagnose(
+        self, path: Path, *args: str, probe: bool = False
+    ) -> tuple[int, dict[str, Any] | None, str]:
         """``ampctl diagnose PATH --json`` in-process (tests/commands/diagnose/conftest.py's
         ``diagnose_cli``), once per path and arguments: (exit code, report, stderr). The
-        report is shared: read it, do not change it."""
+        report is shared: read it, do not change it. ``probe``: try the advice (off: the
+        verdicts do not depend on it, and test_closed_loop.py follows the advice)."""
         from tests.commands.diagnose.conftest import diagnose_cli
 
+        args = args if probe else (*args, "--no-probe")
         key = (str(path), *args)
         if key not in self.reports:
             self.reports[key] = diagnose_cli(path, *args)
