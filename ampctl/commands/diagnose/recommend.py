@@ -277,8 +277,7 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
     }
     unchecked = kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled
     ch = j.lr
-    lr_cause = "lr_divergence" in kinds or (kinds & exploding and not unchecked)
-    if ch is not None and ch.lr is not None and lr_cause:
+    if ch is not None and ch.lr is not None and not unchecked:
         what = (
             "the learning rate made the run diverge"
             if "lr_divergence" in kinds

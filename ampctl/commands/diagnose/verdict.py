@@ -8,11 +8,13 @@ events and the replay. It is
   divergence before the non-finite steps it led to, a broken state, the module whose forward or
   backward leaves the precision's range, a collapsed scale with what made it collapse (an
   overflow storm, or a bad floor or backoff), an overflow storm still going, ...;
-* ``recovered`` (exit code 0) when the run left its course and came back -- a rollback, a
-  promotion, a fallback, skipped spikes, a storm that ended, a transient fault the rerun did not
-  reproduce -- with those events named;
+* ``recovered`` (exit code 0) when an intervention restored the course -- a rollback, a
+  promotion, a fallback, a demotion, a rerun, a divergence the guard acted on -- or the run left
+  its course and came back (a storm that ended), with those events named;
 * ``healthy`` otherwise. Isolated skipped steps whose scale recovered while the loss kept its
-  course are how dynamic loss scaling works: no problem, no advice.
+  course are how dynamic loss scaling works, and skipped spikes on a clean course how the spike
+  rule works: no problem, no advice, each listed as a note (docs/diagnose.md, "Healthy,
+  recovered, broken").
 
 The resume point is the newest checkpoint with a healthy state written before the first sign of
 trouble (:attr:`~.course.Course.first_bad_step`), never one written after it.
@@ -68,6 +70,7 @@ _RANK = {k: i for i, kinds in enumerate(ORDER) for k in kinds}
 GROWTH_WASTE = 0.10
 #: Guard events that make a run "recovered" once it went on clean after them.
 _RECOVERIES = ("rollback", "fallback", "promotion", "demotion", "spike", "rerun", "divergence")
+#: (a skipped spike alone makes no run recovered: see :func:`_intervened`)
 
 
 @dataclass
@@ -533,20 +536,28 @@ def judge(
     checkpoints, resume = _checkpoints(facts, first_bad)
     events = _story(h, course)
     rolled = any(e.data.get("action") == "rollback" for e in _events(h, "divergence"))
-    diverging = "lr_divergence" in {p.kind for p in problems} or rolled
+    exploding = {  # updates that blew up: the lr is worked out as for a divergence
+        "nonfinite_optimizer_state",
+        "extreme_optimizer_state",
+        "grad_norm_explosion",
+        "forward_nonfinite_fp32",
+        "backward_nonfinite_fp32",
+    }
+    found = {p.kind for p in problems}
+    diverging = "lr_divergence" in found or rolled or bool(found & exploding)
     change = lr_change(course, h, lr) if diverging else None
     if problems:
         status, kind = "broken", problems[0].kind
         summary = f"broken: {problems[0].message}"
         cause = problems[0].message
-    elif events:
+    elif _intervened(events, h):
         status, kind, cause = "recovered", None, None
         summary = (
             "recovered: " + ", ".join(events) + (", clean since" if _clean_end(course) else "")
         )
-    else:
+    else:  # isolated skipped steps and skipped spikes on a clean course: how protection works
         status, kind, cause = "healthy", None, None
-        summary = "healthy" + _healthy_note(course)
+        summary = "healthy" + _healthy_note(course, h)
     verdict = Verdict(
         status=status,
         kind=kind,
@@ -590,14 +601,30 @@ def _clean_end(course: Course) -> bool:
     return all(e.resolved for e in course.episodes)
 
 
-def _healthy_note(course: Course) -> str:
+def _intervened(events: list[str], h: History | None) -> bool:
+    """Whether the story holds more than skipped spikes: an intervention (a rollback, a
+    promotion, a fallback, a demotion, a rerun, a divergence the guard acted on) or an episode
+    that left the course. Skipped spikes alone, on a clean course, are a healthy run's notes."""
+    spikes = _spikes(h)
+    return any(e != spikes for e in events)
+
+
+def _healthy_note(course: Course, h: History | None = None) -> str:
+    """The notes of a healthy run: every isolated skipped step and every skipped spike."""
+    notes = []
     skips = [e for e in course.episodes if e.kind in ("isolated", "calibration")]
-    if not skips:
-        return ""
-    n = sum(e.end - e.start + 1 for e in skips)
-    steps = ", ".join(str(e.start) for e in skips[:6]) + (" ..." if len(skips) > 6 else "")
-    return (
-        f": {n} isolated skipped step{'s' if n > 1 else ''} ({steps}), each followed by clean "
-        f"steps with the loss on course (fewer than {STORM_MIN} in a row: the scaler backing "
-        "off, as dynamic loss scaling does)"
-    )
+    if skips:
+        n = sum(e.end - e.start + 1 for e in skips)
+        steps = ", ".join(str(e.start) for e in skips[:6]) + (" ..." if len(skips) > 6 else "")
+        notes.append(
+            f"{n} isolated skipped step{'s' if n > 1 else ''} ({steps}), each followed by clean "
+            f"steps with the loss on course (fewer than {STORM_MIN} in a row: the scaler backing "
+            "off, as dynamic loss scaling does)"
+        )
+    spikes = _spikes(h)
+    if spikes is not None:
+        notes.append(
+            f"{spikes}, the loss on course after each (the spike rule skipping an outlier step, "
+            "as it should: no intervention was needed)"
+        )
+    return (": " + "; ".join(notes)) if notes else ""
