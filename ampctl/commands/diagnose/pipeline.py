@@ -260,6 +260,7 @@ def _facts(found: Found, state: StateHealth, problems: list[Problem]) -> Checkpo
         bad=bad,
         scale=sc.scale if sc is not None and sc.enabled else None,
         applied=applied_updates(found.optimizer),
+        weight_amax=state.weights.amax if state.weights.tensors else None,
     )
 
 
@@ -350,10 +351,13 @@ def _history(
     return hist, unreadable_history(found, hist)
 
 
-def _at_the_end(j: Any, cfg: Any) -> bool:
-    """Whether the resume checkpoint is an ampctl run's last step (``trainer.max_steps``):
-    resuming it trains nothing, so the change is tried and given as a fresh start."""
-    if j.resume is None or cfg is None or not j.problems:
+def _at_the_end(j: Any, cfg: Any, recs: list) -> bool:
+    """Whether the resume checkpoint is an ampctl run's last step (``trainer.max_steps``) and
+    none of the changes takes effect on ``--resume`` (scaler, precision): resuming it would
+    train nothing with nothing changed, so the change is tried and given as a fresh start."""
+    from .recommend import resume_overrides
+
+    if j.resume is None or cfg is None or not j.problems or not recs or resume_overrides(recs):
         return False
     step = next((c.step for c in j.checkpoints if c.path == j.resume), None)
     return step is not None and step >= cfg.trainer.max_steps
@@ -454,7 +458,7 @@ def _diagnose(
     healthy = any(c.healthy for c in j.checkpoints)
     before = j.verdict.first_bad_step if healthy else None
     checked = None
-    origin = None if _at_the_end(j, cfg) else j.resume  # a run's last step resumes nothing
+    origin = None if _at_the_end(j, cfg, recs) else j.resume  # a run's last step resumes nothing
     if j.problems and recs:
         outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe, origin)
         recs = apply_probe(recs, outcome)

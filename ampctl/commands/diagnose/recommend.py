@@ -295,6 +295,14 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
                 f"optim.warmup_steps={max(10, 2 * d.step)}",
                 "the loss rose at the first updates: ramp the learning rate up",
             )
+    if kinds & exploding and settings.lr is not None and not unchecked:
+        # no divergence of the loss to read an lr from (the updates blew up while it held):
+        # half the lr, a step down the probe can check
+        recs.add(
+            f"optim.lr={plain(settings.lr / 2)}",
+            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too) while the "
+            "loss kept its course, so the history shows no lr to go back to: halve it",
+        )
     if (
         kinds & (exploding | {"lr_divergence"})
         and (settings.lr is not None or j.lr)

@@ -371,6 +371,50 @@ def _fold_collapse(problems: list[Problem], collapse: str, cause: str) -> list[P
 
 
 # ---------------------------------------------------------------------------- checkpoints
+#: A checkpoint whose largest weight is this many times the run's earliest checkpoint's has
+#: weights that exploded (finite, but orders of magnitude off): the trouble began before it.
+WEIGHT_GROWTH = 100.0
+
+
+def weights_trouble(facts: list[CheckpointFacts]) -> int | None:
+    """The first step of trouble the checkpoints' weights show: the step after the last
+    checkpoint before the first whose largest |w| is :data:`WEIGHT_GROWTH` times the earliest
+    checkpoint's (its weights exploded; the loss there may be huge yet finite). None: none did.
+    Reads the checkpoints' own figures only (no history needed)."""
+    known = sorted(
+        (c for c in facts if c.step is not None and c.weight_amax is not None),
+        key=lambda c: c.step,
+    )
+    known = [c for c in known if math.isfinite(c.weight_amax)]
+    if len(known) < 2 or not known[0].weight_amax > 0:
+        return None
+    base = known[0].weight_amax
+    for before, c in zip(known, known[1:], strict=False):
+        if c.weight_amax >= WEIGHT_GROWTH * base:
+            return before.step + 1
+    return None
+
+
+def _blown_weights(facts: list[CheckpointFacts], blown: int) -> Problem:
+    known = sorted(
+        (c for c in facts if c.step is not None and c.weight_amax is not None),
+        key=lambda c: c.step,
+    )
+    first, top = known[0], max(known, key=lambda c: c.weight_amax)
+    return Problem(
+        "extreme_weights",
+        f"the largest weight grew from {first.weight_amax:.4g} (step {first.step}) to "
+        f"{top.weight_amax:.4g} (step {top.step}), {top.weight_amax / first.weight_amax:.3g}x: "
+        f"the weights exploded after step {blown - 1} (finite, but the updates ran away)",
+        step=blown,
+    )
+
+
+def _earliest(*steps: int | None) -> int | None:
+    known = [s for s in steps if s is not None]
+    return min(known) if known else None
+
+
 def _checkpoints(
     facts: list[CheckpointFacts], first_bad: int | None
 ) -> tuple[list[CheckpointHealth], str | None]:
@@ -528,23 +572,19 @@ def judge(
                     "; nothing checked the gradients before the optimizer applied them (no loss "
                     "scaler): one non-finite step is enough"
                 )
+    blown = weights_trouble(facts)
+    if blown is not None and own is not None and own.step is not None and own.step >= blown:
+        if "extreme_weights" not in {p.kind for p in problems}:
+            problems.append(_blown_weights(facts, blown))
     problems = _ordered(problems)
-    first_bad = course.first_bad_step
+    first_bad = _earliest(course.first_bad_step, blown)
     bad_own = own is not None and own.bad and own.step is not None
     if bad_own and (first_bad is None or own.step < first_bad):
         first_bad = own.step  # its own state is broken: the trouble is no later than it
     checkpoints, resume = _checkpoints(facts, first_bad)
     events = _story(h, course)
     rolled = any(e.data.get("action") == "rollback" for e in _events(h, "divergence"))
-    exploding = {  # updates that blew up: the lr is worked out as for a divergence
-        "nonfinite_optimizer_state",
-        "extreme_optimizer_state",
-        "grad_norm_explosion",
-        "forward_nonfinite_fp32",
-        "backward_nonfinite_fp32",
-    }
-    found = {p.kind for p in problems}
-    diverging = "lr_divergence" in found or rolled or bool(found & exploding)
+    diverging = "lr_divergence" in {p.kind for p in problems} or rolled
     change = lr_change(course, h, lr) if diverging else None
     if problems:
         status, kind = "broken", problems[0].kind
