@@ -560,8 +560,10 @@ def test_json_output_has_the_same_findings(run_copy):
 
     plant(run_copy, edit)
     res = runner.invoke(
-        app, ["diagnose", str(run_copy), "--json", "--device", "cpu", "-b", "1", "--trust-code"]
-    )
+        app,
+        ["diagnose", str(run_copy), "--json", "--device", "cpu", "-b", "1", "--trust-code",
+         "--no-probe"],
+    )  # fmt: skip
     assert res.exit_code == 1, res.output
     got = json.loads(res.stdout)  # stdout is only JSON
     want = diagnose(run_copy, batches=1, device="cpu")
