@@ -4,7 +4,10 @@ diverged or was aborted gets one hint that never resumes from a checkpoint in th
 
 from __future__ import annotations
 
+import json
 import math
+
+import pytest
 
 from ampctl.amp.guard import Action, DivergenceRules, DivergenceWatch
 from ampctl.protect.advice import fmt_lr, lr_advice
@@ -96,3 +99,31 @@ def test_a_diverged_run_has_one_hint_that_never_resumes_into_the_trouble(fast_cf
         assert hint == f"ampctl diagnose {res.run_dir}" and "no lr" in s["resume_note"]
     good = s["last_good_checkpoint"]
     assert good is None or checkpoint_step(good) <= since
+
+
+@pytest.mark.parametrize("lr", ["1.0", "30"])
+def test_the_summary_s_hint_and_the_last_line_agree(tmp_path, lr, monkeypatch):
+    """The issue's lr=1.0 and lr=30 runs through ``ampctl train``: the summary's resume_hint is
+    the one command the last line gives; no placeholder, no --resume into the trouble."""
+    from typer.testing import CliRunner
+
+    from ampctl.cli import app
+    from tests.conftest import FAST
+
+    monkeypatch.chdir(tmp_path)
+    args = [*FAST, "trainer.max_steps=80", "trainer.ckpt_every=4", f"optim.lr={lr}"]
+    res = CliRunner().invoke(
+        app, ["train", "--plain", *args, "name=r", "logging.plot=false"], env={"COLUMNS": "300"}
+    )
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    (hint,) = [ln.split("resume_hint: ", 1)[1] for ln in lines if ln.startswith("resume_hint: ")]
+    assert lines[-1].startswith("Training stopped: the loss diverged") or lines[-1].startswith(
+        "Training aborted"
+    )
+    assert lines[-1].endswith(f": {hint}")  # the same command, once
+    assert "..." not in hint
+    s = json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())
+    assert s["resume_hint"] == hint
+    if "--resume" in hint:
+        assert checkpoint_step(hint.split("--resume ", 1)[1].split()[0]) <= s["trouble_since"]

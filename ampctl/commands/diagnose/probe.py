@@ -180,8 +180,9 @@ def probe_advice(
     if fmt != "ampctl":
         return ProbeOutcome(
             False,
-            f"a {fmt} checkpoint: the model and its training loop cannot be rebuilt without "
-            "your code, so the advice is not tried (an ampctl run can be)",
+            f"a {fmt} checkpoint: the probe reruns ampctl's own training loop from the "
+            "checkpoint, and this run's loop, data and optimizer setup are your code, so the "
+            "advice is not tried (an ampctl train run's is)",
         )
     if cfg is None:
         return ProbeOutcome(False, cfg_reason or "the run's config cannot be rebuilt")
