@@ -11,9 +11,11 @@ run's own when it is synthetic or ``--trust-code`` allows the paths its config n
 synthetic batches of the run's shape, as the replay does (:func:`.replay.replay_data`). No sink,
 plot or activation probe runs.
 
-A candidate *held* when the probe ended ``ok`` (no abort, no divergence) with every row finite
-and its last row's loss no higher than :data:`~ampctl.protect.advice.ABOVE_START` times the loss
-it started from; the best one that held is the one with the lowest last row. Only ampctl runs
+A candidate *held* when the probe ended ``ok`` (no abort, no divergence) with every row finite,
+the mean loss of its last third of rows no higher than :data:`~ampctl.protect.advice.ABOVE_START`
+times the loss it started from and below the mean of the third before (still falling: a loss
+that stalled high is an lr too high to go on at); the best one that held is the one with the
+lowest mean over its last third. Only ampctl runs
 are probed (the model and the loop are rebuilt from the checkpoint alone); other formats say why.
 """
 
@@ -142,14 +144,19 @@ def _trial(run_cfg: Any, ck: dict[str, Any] | None, lr: float | None) -> Trial:
         first = start if start is not None and math.isfinite(start) else None
         if first is None and losses:
             first = losses[0]
-        last = losses[-1] if losses else None
         finite = bool(losses) and all(math.isfinite(x) for x in losses)
+        third = max(1, len(losses) // 3)
+        # the level it reached: the mean of its last third of rows (one row of 2 steps is noise)
+        last = sum(losses[-third:]) / third if finite else (losses[-1] if losses else None)
+        middle = losses[-2 * third : -third] if len(losses) >= 2 * third + 1 else []
+        still_falling = not middle or last < sum(middle) / len(middle)
         held = (
             res.status == "ok"
             and finite
             and first is not None
             and last is not None
             and last <= ABOVE_START * first
+            and still_falling  # a loss that stalled high has an lr too high to go on at
         )
         return Trial(lr, res.status, first, last, len(rows) * PROBE_EVERY, held)
     finally:
