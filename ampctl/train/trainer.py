@@ -166,6 +166,8 @@ class Trainer:
         # the overrides of the command line that started the run (``ampctl train``): the
         # fresh-start hint repeats them (None: not started from a command line, or resumed)
         self.hint_overrides: list[str] | None = None
+        self._stopped = False
+        self.stop_checkpoint: Path | None = None  # written at a stop (abort, divergence)
         # figures sampled on log steps (see metrics.Probe)
         layers = cfg.logging.act_grad_layers or None
         self.probes: list[Probe] = [ActGradProbe(layers)] if cfg.logging.act_grads else []
@@ -320,8 +322,13 @@ class Trainer:
             try:
                 self.protection.start(self.step)
                 while self.step < self.end:
+                    before = self.step
                     self.step_once()
-                    ckpt = self.save() if self._is_due(self.cfg.trainer.ckpt_every, 0) else None
+                    # a rollback put the step back (to a snapshot): no checkpoint of the restored
+                    # state there -- its scale is the backed-off one of the trouble, and a
+                    # checkpoint of that step written before it would be overwritten (#36)
+                    due = self.step > before and self._is_due(self.cfg.trainer.ckpt_every, 0)
+                    ckpt = self.save() if due else None
                     if self._stop_signal is not None and (
                         not self.ctx.enabled or self._stop_agreed
                     ):
@@ -567,6 +574,9 @@ class Trainer:
                 "tokens": self._tokens_total,
                 "wall_s": self._wall(),
                 "lr_scale": self.lr_scale,
+                # written when the guard stopped the run: its scaler and optimizer hold what the
+                # trouble left (a collapsed scale), whatever its step: diagnose never resumes it
+                **({"stopped": True} if self._stopped else {}),
             },
             "log_window": per_rank[0]["log_window"],
             "dist": {
@@ -586,8 +596,9 @@ class Trainer:
         return save_checkpoint(layout, self.step, state, keep_last=self.cfg.trainer.keep_last)
 
     def _save_after_abort(self) -> None:
+        self._stopped = True  # the checkpoint says it holds the state at the stop
         try:
-            self.save()  # skipped steps never touched the weights: keep them for diagnose
+            self.stop_checkpoint = self.save()  # kept for diagnose: never a resume point
         except CheckpointWriteError as e:
             self.failure = str(e)
             self.log.event({"step": self.step, "kind": "error", "message": str(e)})
@@ -734,8 +745,11 @@ class Trainer:
         from ampctl.runlog.readers import iter_jsonl
 
         since = self._trouble_since(status)
+        stop = self.stop_checkpoint.resolve() if self.stop_checkpoint is not None else None
         good = [
-            p for p in RunLayout(self.run_dir).checkpoints() if (checkpoint_step(p) or 0) <= since
+            p
+            for p in RunLayout(self.run_dir).checkpoints()
+            if (checkpoint_step(p) or 0) <= since and p.resolve() != stop
         ]
         out: dict[str, Any] = {"trouble_since": since}
         out["last_good_checkpoint"] = str(good[-1]) if good else None

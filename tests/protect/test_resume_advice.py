@@ -127,3 +127,15 @@ def test_the_summary_s_hint_and_the_last_line_agree(tmp_path, lr, monkeypatch):
     assert s["resume_hint"] == hint
     if "--resume" in hint:
         assert checkpoint_step(hint.split("--resume ", 1)[1].split()[0]) <= s["trouble_since"]
+
+
+def test_a_rollback_writes_no_checkpoint_of_the_restored_state(fast_cfg):
+    """lr 30: the guard rolls back to the start again and again; a checkpoint used to be written
+    at step 0 each time (due at every multiple of ckpt_every), holding the backed-off scale, and
+    was then offered as the last good checkpoint."""
+    cfg = fast_cfg("trainer.max_steps=80", "trainer.ckpt_every=4", "optim.lr=30")
+    res = _run(cfg, "lr30")
+    steps = [checkpoint_step(p) for p in (res.run_dir / "checkpoints").iterdir()]
+    assert 0 not in steps
+    good = res.summary["last_good_checkpoint"]
+    assert good is None or checkpoint_step(good) > 0

@@ -253,6 +253,8 @@ def _require_torchao() -> None:
 # ---------------------------------------------------------------------------- checkpoints
 def _facts(found: Found, state: StateHealth, problems: list[Problem]) -> CheckpointFacts:
     bad = sorted({p.kind for p in problems if p.kind in STATE_KINDS})
+    if _written_at_stop(found):
+        bad.append(WRITTEN_AT_STOP)
     sc = state.scaler
     return CheckpointFacts(
         path=str(found.path),
@@ -262,6 +264,18 @@ def _facts(found: Found, state: StateHealth, problems: list[Problem]) -> Checkpo
         applied=applied_updates(found.optimizer),
         weight_amax=state.weights.amax if state.weights.tensors else None,
     )
+
+
+#: A checkpoint ampctl's trainer wrote when the guard stopped the run: its weights may be fine
+#: but its scaler and optimizer hold what the trouble left (a collapsed scale), so it is never
+#: a resume point, whatever its step.
+WRITTEN_AT_STOP = "written when the guard stopped the run"
+
+
+def _written_at_stop(found: Found) -> bool:
+    raw = found.raw if found.format == "ampctl" and isinstance(found.raw, dict) else {}
+    tr = raw.get("trainer")
+    return isinstance(tr, dict) and tr.get("stopped") is True
 
 
 def _sibling_facts(found: Found, trust_code: bool) -> list[CheckpointFacts]:

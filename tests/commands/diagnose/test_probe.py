@@ -84,3 +84,15 @@ def test_a_foreign_checkpoint_is_not_probed_and_says_why():
     )  # fmt: skip
     assert isinstance(out, ProbeOutcome) and not out.ran
     assert out.line().startswith("probe: not run: a lightning checkpoint")
+
+
+def test_the_checkpoint_written_at_the_stop_is_never_a_resume_point(lr1):
+    """Its weights may read fine, but its scaler and optimizer hold what the trouble left (the
+    issue's lr=30 run resumed from such a state at scale 4 ended at 3.93 against 2.35)."""
+    import torch as t
+
+    stop = sorted((lr1 / "checkpoints").iterdir())[-1]
+    assert t.load(stop, weights_only=True)["trainer"]["stopped"] is True
+    rep = diagnose(lr1, probe=False)
+    (mine,) = [c for c in rep["checkpoints"] if c["path"] == str(stop)]
+    assert not mine["healthy"] and rep["resume"]["checkpoint"] != str(stop)
