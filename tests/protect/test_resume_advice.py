@@ -133,7 +133,9 @@ def test_a_rollback_writes_no_checkpoint_of_the_restored_state(fast_cfg):
     """lr 30: the guard rolls back to the start again and again; a checkpoint used to be written
     at step 0 each time (due at every multiple of ckpt_every), holding the backed-off scale, and
     was then offered as the last good checkpoint."""
-    cfg = fast_cfg("trainer.max_steps=80", "trainer.ckpt_every=4", "optim.lr=30")
+    cfg = fast_cfg(
+        "trainer.max_steps=80", "trainer.ckpt_every=4", "trainer.keep_last=10", "optim.lr=30"
+    )
     res = _run(cfg, "lr30")
     steps = [checkpoint_step(p) for p in (res.run_dir / "checkpoints").iterdir()]
     assert 0 not in steps
