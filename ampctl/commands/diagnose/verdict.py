@@ -574,7 +574,7 @@ def judge(
                 )
     blown = weights_trouble(facts)
     if blown is not None and own is not None and own.step is not None and own.step >= blown:
-        if "extreme_weights" not in {p.kind for p in problems}:
+        if not problems:  # the weights' growth is the only sign: it is the problem
             problems.append(_blown_weights(facts, blown))
     problems = _ordered(problems)
     first_bad = _earliest(course.first_bad_step, blown)
