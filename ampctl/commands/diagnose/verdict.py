@@ -572,7 +572,10 @@ def judge(
                     "; nothing checked the gradients before the optimizer applied them (no loss "
                     "scaler): one non-finite step is enough"
                 )
-    blown = weights_trouble(facts)
+    # without a logged loss, the checkpoints' weights are the course: a growth by orders of
+    # magnitude is the trouble (with one, the history judges, and a fault the guard cured by a
+    # promotion is not a false alarm)
+    blown = weights_trouble(facts) if h is None or not h.rows else None
     if blown is not None and own is not None and own.step is not None and own.step >= blown:
         if not problems:  # the weights' growth is the only sign: it is the problem
             problems.append(_blown_weights(facts, blown))
