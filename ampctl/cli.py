@@ -353,6 +353,15 @@ def diagnose(
             "ampctl/commands/diagnose/report.py (python -m pydoc ampctl.commands.diagnose.report).",
         ),
     ] = False,
+    no_probe: Annotated[
+        bool,
+        typer.Option(
+            "--no-probe",
+            help="Do not try the advice before printing it (by default an ampctl run's "
+            "recommended change is trained for a few steps from the recommended checkpoint, and "
+            "an lr from a small ladder the history gives).",
+        ),
+    ] = False,
 ) -> None:
     """Explain a NaN run: bad tensors, first overflowing module, what to change.
 
@@ -380,6 +389,7 @@ def diagnose(
             trust_code=trust_code,
             data=data,
             max_memory=parse_size(max_memory) if max_memory is not None else None,
+            probe=not no_probe,
         )
     except _input_errors() as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__

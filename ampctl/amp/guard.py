@@ -24,6 +24,7 @@ from .checks import is_finite, is_int, need
 
 __all__ = [
     "DIVERGENCE_ACTIONS",
+    "CourseMemory",
     "DivergenceRules",
     "DivergenceWatch",
     "divergence",
@@ -319,19 +320,53 @@ def divergence_reason(
     return None if found is None else found[0]
 
 
+@dataclass(frozen=True)
+class CourseMemory:
+    """What the divergence rule keeps of the run's course before its current rows (rows set aside
+    by an earlier divergence, a checkpoint's resume): the first and the lowest median of
+    ``patience`` rows, and the rows' noise (the median change from one row to the next)."""
+
+    first: float
+    lowest: float
+    noise: float = 0.0
+
+    def merged(self, other: CourseMemory | None) -> CourseMemory:
+        if other is None:
+            return self
+        return CourseMemory(other.first, min(self.lowest, other.lowest), other.noise)
+
+
+def course_memory(losses: list[float], k: int) -> CourseMemory | None:
+    """The :class:`CourseMemory` of the rows ``losses`` (None: too few finite rows)."""
+    finite = [x for x in losses if _finite(x)]
+    windows = [_median(finite[i : i + k]) for i in range(len(finite) - k + 1)]
+    if not windows:
+        return None
+    steps = [abs(b - a) for a, b in zip(finite, finite[1:], strict=False)]
+    noise = sorted(steps)[len(steps) // 2] if steps else 0.0
+    return CourseMemory(windows[0], min(windows), noise)
+
+
 def divergence(
-    losses: list[float], rules: DivergenceRules, start: float | None = None
+    losses: list[float],
+    rules: DivergenceRules,
+    start: float | None = None,
+    memory: CourseMemory | None = None,
 ) -> tuple[str, float, float, float] | None:
     """:func:`divergence_reason` with its figures: ``(reason, now, reference, ratio)``, where
     ``now`` is the median of the last ``patience`` rows the rule judged, ``reference`` the loss
     it was judged against (the run's first loss, or the lowest median of ``patience`` rows) and
-    ``ratio`` ``now / reference`` (NaN when the last rows are not finite). None: no divergence."""
+    ``ratio`` ``now / reference`` (NaN when the last rows are not finite). None: no divergence.
+    ``memory``: the course before ``losses`` (a resumed run's, rows an earlier divergence set
+    aside): its lowest and first medians count as the rows' own."""
     k = rules.patience
-    if len(losses) < max(k, rules.warmup + 1):
+    if len(losses) < (k if memory is not None else max(k, rules.warmup + 1)):
         return None
     last = losses[-k:]
     finite = [x for x in losses[:-k] if _finite(x)]
     windows = [_median(finite[i : i + k]) for i in range(len(finite) - k + 1)]
+    if memory is not None:
+        windows = [memory.first, memory.lowest, *windows]
     if not any(_finite(x) for x in last):
         ref = min(windows, default=math.nan)  # the lowest course, else the first loss
         ref = start if not _finite(ref) and start is not None and _finite(start) else ref
@@ -362,6 +397,8 @@ def divergence(
         return why, now, lowest, now / lowest
     steps = [abs(b - a) for a, b in zip(finite, finite[1:], strict=False)]
     noise = sorted(steps)[len(steps) // 2] if steps else 0.0
+    if memory is not None and len(steps) < 2:
+        noise = memory.noise  # too few rows of its own: the remembered course's noise
     progress = first - lowest
     if progress > 4 * noise and now > lowest + 0.75 * progress and now > 1.5 * lowest:
         why = (
@@ -384,20 +421,29 @@ class DivergenceWatch:
         # the figures of the last divergence found (divergence()): the median of the rows it
         # judged, the loss it judged them against, their ratio
         self.judged = self.reference = self.ratio = math.nan
+        # the run's course before the current rows (a stop or a rollback set them aside; a
+        # checkpoint carries it across a resume): a run resumed from its diverged state is
+        # judged against the loss it had reached, not against its diverged rows
+        self.memory: CourseMemory | None = None
 
     def observe(self, step: int, loss: float) -> Decision:
         """Take one row; a WARN, ROLLBACK or ABORT (stop) decision once the rule holds."""
         self.losses.append(float(loss))
         self.steps.append(int(step))
-        found = divergence(self.losses, self.rules, self.start)
+        found = divergence(self.losses, self.rules, self.start, self.memory)
         if found is None:
             return Decision(action=Action.CONTINUE)
         why, self.judged, self.reference, self.ratio = found
         k = self.rules.patience
-        self.good_step = self.steps[-k - 1] if len(self.steps) > k else 0
+        self.good_step = self.steps[-k - 1] if len(self.steps) > k else self.good_step
         action = {"stop": Action.ABORT, "rollback": Action.ROLLBACK, "warn": Action.WARN}[
             self.rules.action
         ]
+        if action is Action.WARN:
+            self.memory = None  # a warning: the course starts again from its new level
+        else:  # stop, rollback: the run's best stays the reference, across a resume too
+            mine = course_memory(self.losses[:-k], k)
+            self.memory = mine.merged(self.memory) if mine is not None else self.memory
         self.losses.clear()  # after a warning or a rollback, the course starts again
         self.steps.clear()
         return Decision(action=action, reason=why)
@@ -413,6 +459,7 @@ class DivergenceWatch:
             "steps": list(self.steps),
             "good_step": self.good_step,
             "start": self.start,
+            "memory": None if self.memory is None else dict(vars(self.memory)),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -421,3 +468,12 @@ class DivergenceWatch:
         self.good_step = int(sd.get("good_step", 0))
         start = sd.get("start")
         self.start = None if start is None else float(start)
+        mem = sd.get("memory")  # absent from checkpoints written before it was kept
+        try:
+            self.memory = (
+                CourseMemory(float(mem["first"]), float(mem["lowest"]), float(mem["noise"]))
+                if isinstance(mem, dict)
+                else None
+            )
+        except (TypeError, ValueError, KeyError):
+            self.memory = None

@@ -148,7 +148,7 @@ def run_train(
     run_dir = ctx.broadcast_object(run_dir)
     lock = _own(run_dir, console) if ctx.is_main else None
     try:
-        return _train_in(cfg, run_dir, ck, fork, ctx, mode, console, lock)
+        return _train_in(cfg, run_dir, ck, fork, ctx, mode, console, lock, overrides)
     finally:
         if lock is not None:
             lock.release()
@@ -164,7 +164,9 @@ def _own(run_dir: Path, console: Console) -> RunLock:
     return lock
 
 
-def _train_in(cfg, run_dir: Path, ck, fork: bool, ctx, mode: str, console, lock) -> int:
+def _train_in(
+    cfg, run_dir: Path, ck, fork: bool, ctx, mode: str, console, lock, overrides: list[str]
+) -> int:
     from ampctl.protect.records import write_config
     from ampctl.train.trainer import Trainer
     from ampctl.ui.display import Display
@@ -197,6 +199,7 @@ def _train_in(cfg, run_dir: Path, ck, fork: bool, ctx, mode: str, console, lock)
     except OSError as e:
         trainer.log.close("failed")
         raise OSError(e.errno, e.strerror, str(RunLayout(run_dir).config)) from None
+    trainer.hint_overrides = list(overrides) if ck is None else None
     with display:
         result = trainer.run(close_log=False)  # the sinks stay open for the plot
     try:
@@ -215,9 +218,8 @@ def _remove_new_run(run_dir: Path) -> None:
 
 
 def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
-    summary = dict(result.summary)
-    if result.status != "ok":
-        summary["resume_hint"] = f"ampctl train --resume {run_dir}"
+    summary = dict(result.summary)  # its resume_hint is the one hint (Trainer._summary)
+    hint, note = summary.get("resume_hint"), summary.get("resume_note")
     display.summary(summary)
     if cfg.logging.plot:
         from ampctl.commands.plot import maybe_plot_run
@@ -227,26 +229,17 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
             trainer.log.artifact(got)
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
+    then = (f"; {note}" if note else "") + (f": {hint}" if hint else "")
     if result.status == "diverged":
-        good = summary.get("last_good_checkpoint")
         console.print(
             "[red]Training stopped: the loss diverged[/red] (see the divergence event in "
-            "events.jsonl). Lower optim.lr (halve it, or more), or add warmup (optim.warmup_steps) "
-            "or clipping (optim.clip_grad_norm)"
-            + (
-                f", and resume from the last good checkpoint: ampctl train --resume {good} optim.lr=..."
-                if good
-                else ""
-            )
-            + ".",
+            f"events.jsonl){escape(then)}",
             highlight=False,
             soft_wrap=True,
         )
     elif result.status == "aborted":
         console.print(
-            "[red]Training aborted by the overflow guard.[/red] See events.jsonl; try "
-            f"`ampctl diagnose {escape(str(run_dir))}`, precision=bf16, a lower optim.lr, or "
-            "scaler.init_scale lower.",
+            f"[red]Training aborted by the overflow guard[/red] (see events.jsonl){escape(then)}",
             highlight=False,
             soft_wrap=True,
         )
@@ -260,7 +253,7 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
         )
     elif result.status == "interrupted":
         console.print(
-            f"Interrupted. Resume with: ampctl train --resume {run_dir}",
+            f"Interrupted. Resume with: {hint}",
             highlight=False,
             markup=False,
             soft_wrap=True,

@@ -148,8 +148,9 @@ class Protection(Replays):
         fallback_unavailable: why this loop cannot switch precision (e.g. a framework that owns
             autocast and the scaler); a fallback decision then aborts with this reason. None:
             fallbacks are carried out (see ``rebuild_optimizer``).
-        rerun_clip: the loop's gradient clipping, applied to a step retried after a clean
-            rerun (``guard.rerun``); None: not clipped.
+        rerun_clip: the loop's gradient clipping (its max norm), applied to a step retried after
+            a clean rerun (``guard.rerun``); with it the spike rule judges the loss only (a clipped
+            step's size is bounded whatever its norm). None: not clipped (or not known).
     """
 
     def __init__(
@@ -189,7 +190,10 @@ class Protection(Replays):
             z=c.spike_z,
             window=c.spike_window,
             min_steps=c.spike_min_steps,
-            grad_norm=c.spike_grad_norm,
+            # with clipping on, a step whose gradient norm is far above its course moves the
+            # weights no more than any clipped step: it is judged by its loss alone (#36: the
+            # norm rule skipped healthy steps of the default run, whose loss was on course)
+            grad_norm=c.spike_grad_norm and rerun_clip is None,
             enabled=c.enabled and c.spike,
         )
         self._read_end = 0

@@ -164,6 +164,11 @@ class Trainer:
         )
         self.lr_scale = 1.0  # the lr multiplier rollbacks for divergence have cut
         self.diverged_since: int | None = None
+        # the overrides of the command line that started the run (``ampctl train``): the
+        # fresh-start hint repeats them (None: not started from a command line, or resumed)
+        self.hint_overrides: list[str] | None = None
+        self._stopped = False
+        self.stop_checkpoint: Path | None = None  # written at a stop (abort, divergence)
         # figures sampled on log steps (see metrics.Probe)
         layers = cfg.logging.act_grad_layers or None
         self.probes: list[Probe] = [ActGradProbe(layers)] if cfg.logging.act_grads else []
@@ -318,8 +323,13 @@ class Trainer:
             try:
                 self.protection.start(self.step)
                 while self.step < self.end:
+                    before = self.step
                     self.step_once()
-                    ckpt = self.save() if self._is_due(self.cfg.trainer.ckpt_every, 0) else None
+                    # a rollback put the step back (to a snapshot): no checkpoint of the restored
+                    # state there -- its scale is the backed-off one of the trouble, and a
+                    # checkpoint of that step written before it would be overwritten (#36)
+                    due = self.step > before and self._is_due(self.cfg.trainer.ckpt_every, 0)
+                    ckpt = self.save() if due else None
                     if self._stop_signal is not None and (
                         not self.ctx.enabled or self._stop_agreed
                     ):
@@ -573,6 +583,9 @@ class Trainer:
                 "tokens": self._tokens_total,
                 "wall_s": self._wall(),
                 "lr_scale": self.lr_scale,
+                # written when the guard stopped the run: its scaler and optimizer hold what the
+                # trouble left (a collapsed scale), whatever its step: diagnose never resumes it
+                **({"stopped": True} if self._stopped else {}),
             },
             "log_window": per_rank[0]["log_window"],
             "dist": {
@@ -592,8 +605,9 @@ class Trainer:
         return save_checkpoint(layout, self.step, state, keep_last=self.cfg.trainer.keep_last)
 
     def _save_after_abort(self) -> None:
+        self._stopped = True  # the checkpoint says it holds the state at the stop
         try:
-            self.save()  # skipped steps never touched the weights: keep them for diagnose
+            self.stop_checkpoint = self.save()  # kept for diagnose: never a resume point
         except CheckpointWriteError as e:
             self._fail(str(e))
 
@@ -708,14 +722,103 @@ class Trainer:
             run_dir=self.run_dir,
         )
         if self.diverged_since is not None:
-            good = [
-                p
-                for p in RunLayout(self.run_dir).checkpoints()
-                if (checkpoint_step(p) or 0) <= self.diverged_since
-            ]
             summary["diverged_since"] = self.diverged_since
-            summary["last_good_checkpoint"] = str(good[-1]) if good else None
+        if status in ("diverged", "aborted"):
+            summary.update(self._trouble_hint(status))
+        elif status in ("interrupted", "failed"):
+            summary["resume_hint"] = f"ampctl train --resume {self.run_dir}"
         return summary
+
+    def _trouble_since(self, status: str) -> int:
+        """The last step known good before the trouble: the earliest of the diverged rows'
+        start, the state the first rollback restored (else the step the run stopped at) and the
+        row before the first whose loss is above the run's first loss (a healthy run's rows are
+        below it: :data:`~ampctl.protect.advice.ABOVE_START`). Reads ``metrics.jsonl``."""
+        from ampctl.protect.advice import ABOVE_START
+        from ampctl.runlog.readers import iter_jsonl
+
+        restored = [self.diverged_since] if self.diverged_since is not None else []
+        restored += [
+            int(e.get("to_step", e["step"]))
+            for e in self.protection.events
+            if e.get("kind") in ("rollback", "divergence") and isinstance(e.get("step"), int)
+        ]
+        since = min(restored, default=self.step)
+        start = self.protection.divergence.start
+        if start is not None and start == start:  # a row above the run's first loss: trouble
+            rows = iter_jsonl(RunLayout(self.run_dir).metrics) if self.ctx.is_main else []
+            prev = 0
+            for r in rows:
+                step, loss = r.get("step"), r.get("loss")
+                if not isinstance(step, int) or step > since:
+                    break
+                if isinstance(loss, int | float) and (loss != loss or loss > ABOVE_START * start):
+                    return prev
+                prev = step
+        return since
+
+    def _trouble_hint(self, status: str) -> dict[str, Any]:
+        """The one resume hint of a run that diverged or was aborted: from the newest checkpoint
+        written at or before the last good step, with the lr worked out from the run's rows
+        (:func:`ampctl.protect.advice.lr_advice`); with none, the fresh-start command with the
+        change (``hint_overrides``: the command line's overrides); never a checkpoint written
+        in or after the trouble. Reads this run's ``metrics.jsonl`` (main process)."""
+        from ampctl.protect.advice import fmt_lr, lr_advice
+        from ampctl.runlog.readers import iter_jsonl
+
+        since = self._trouble_since(status)
+        stop = self.stop_checkpoint.resolve() if self.stop_checkpoint is not None else None
+        good = [
+            p
+            for p in RunLayout(self.run_dir).checkpoints()
+            if (checkpoint_step(p) or 0) <= since and p.resolve() != stop
+        ]
+        out: dict[str, Any] = {"trouble_since": since}
+        out["last_good_checkpoint"] = str(good[-1]) if good else None
+        if not self.ctx.is_main:
+            return out
+        rows = [
+            (r.get("step"), r.get("loss"), r.get("lr"))
+            for r in iter_jsonl(RunLayout(self.run_dir).metrics)
+            if isinstance(r.get("step"), int)
+        ]
+        adv = lr_advice(rows, trouble=since + 1, start=self.protection.divergence.start)
+        known = adv is not None and adv.known
+        change = [f"optim.lr={fmt_lr(adv.lr)}"] if known else []
+        if adv is not None:
+            out["lr_advice"] = adv.why
+        diagnose = f"ampctl diagnose {self.run_dir}"
+        if good and change:
+            out["resume_hint"] = " ".join(["ampctl train --resume", str(good[-1]), *change])
+        elif good:
+            out["resume_hint"] = diagnose
+            out["resume_note"] = (
+                "no lr of this run is known to have worked (its loss never fell below where it "
+                "started): diagnose tries a ladder of lower ones from the last good checkpoint "
+                "and prints the one that held"
+            )
+        elif change and self.hint_overrides is not None:
+            keep = [
+                o
+                for o in self.hint_overrides
+                if not o.lstrip("+~").startswith(("optim.lr=", "name="))
+            ]
+            out["resume_hint"] = " ".join(["ampctl train", *keep, *change])
+            out["resume_note"] = (
+                f"no checkpoint was written before the trouble (step {since + 1}): start afresh"
+            )
+        else:
+            out["resume_hint"] = diagnose
+            out["resume_note"] = (
+                f"no checkpoint was written before the trouble (step {since + 1})"
+                + (
+                    ""
+                    if change
+                    else " and no lr of this run is known to have worked: diagnose tries a "
+                    "ladder of lower ones and prints the one that held"
+                )
+            )
+        return out
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}

@@ -876,7 +876,8 @@ def test_state_dict_is_the_guards_history_and_the_spike_window():
         "consecutive": 1,
         "rollbacks": 0,
         "spike": {"loss": None, "norm": None},  # no window statistics yet
-        "divergence": {"losses": [], "steps": [], "good_step": 0, "start": None},  # no row yet
+        # no row yet; no course set aside (memory: the run before a stop, across a resume)
+        "divergence": {"losses": [], "steps": [], "good_step": 0, "start": None, "memory": None},
         "promoted_at": {},
         "not_the_cause": [],
     }

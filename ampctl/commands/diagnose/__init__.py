@@ -67,6 +67,7 @@ def run_diagnose(
     trust_code: bool = False,
     data: Path | None = None,
     max_memory: int | None = None,
+    probe: bool = True,
 ) -> int:
     """What ``ampctl diagnose`` does: diagnose, print (rich tables, or only JSON on stdout),
     return 0 when healthy or recovered and 1 when problems were found. Bad input raises (the
@@ -82,7 +83,7 @@ def run_diagnose(
     with read_progress(ByteProgress("reading checkpoint", live=None if not as_json else False)):
         report = diagnose_report(
             path, batches=batches, precision=precision, device=device, fmt=fmt,
-            trust_code=trust_code, data=data, max_memory=max_memory,
+            trust_code=trust_code, data=data, max_memory=max_memory, probe=probe,
         )  # fmt: skip
     if as_json:
         _print_json(report_json(report))

@@ -76,6 +76,7 @@ class CheckpointFacts:
     bad: list[str]  # problem kinds of its own state
     scale: float | None = None
     applied: int | None = None  # optimizer updates applied (Adam's step count)
+    weight_amax: float | None = None  # the largest |w| of its weights (None: not read)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from .health import applied_updates, state_health
 from .history import branch_of, foreign_history, run_history, unreadable_history
 from .readers.base import Found, ReaderError
 from .readers.histories import history_beside
-from .recommend import Settings, recommend, resume_command
+from .recommend import Settings, apply_probe, fresh_overrides, recommend, resume_command
 from .replay import ReplaySkipped, ampctl_input, hf_input, run_replay, skipped
 from .report import build_report, report_json
 from .stages import (
@@ -254,6 +254,8 @@ def _require_torchao() -> None:
 # ---------------------------------------------------------------------------- checkpoints
 def _facts(found: Found, state: StateHealth, problems: list[Problem]) -> CheckpointFacts:
     bad = sorted({p.kind for p in problems if p.kind in STATE_KINDS})
+    if _written_at_stop(found):
+        bad.append(WRITTEN_AT_STOP)
     sc = state.scaler
     return CheckpointFacts(
         path=str(found.path),
@@ -261,7 +263,20 @@ def _facts(found: Found, state: StateHealth, problems: list[Problem]) -> Checkpo
         bad=bad,
         scale=sc.scale if sc is not None and sc.enabled else None,
         applied=applied_updates(found.optimizer),
+        weight_amax=state.weights.amax if state.weights.tensors else None,
     )
+
+
+#: A checkpoint ampctl's trainer wrote when the guard stopped the run: its weights may be fine
+#: but its scaler and optimizer hold what the trouble left (a collapsed scale), so it is never
+#: a resume point, whatever its step.
+WRITTEN_AT_STOP = "written when the guard stopped the run"
+
+
+def _written_at_stop(found: Found) -> bool:
+    raw = found.raw if found.format == "ampctl" and isinstance(found.raw, dict) else {}
+    tr = raw.get("trainer")
+    return isinstance(tr, dict) and tr.get("stopped") is True
 
 
 def _sibling_facts(found: Found, trust_code: bool) -> list[CheckpointFacts]:
@@ -311,6 +326,7 @@ def diagnose_report(
     trust_code: bool = False,
     data: str | Path | None = None,
     max_memory: int | None = None,
+    probe: bool = True,
 ) -> Report:
     """Diagnose a checkpoint file or folder of any supported format; returns the report typed
     (:class:`~.stages.Report`; :func:`diagnose` returns it as JSON values).
@@ -326,7 +342,7 @@ def diagnose_report(
     from ampctl import trust
 
     with trust.max_memory(max_memory):
-        return _diagnose(path, batches, precision, device, fmt, trust_code, data)
+        return _diagnose(path, batches, precision, device, fmt, trust_code, data, probe)
 
 
 def _read(path: str | Path, fmt: str | None, trust_code: bool, data_file: Path | None) -> Found:
@@ -350,6 +366,40 @@ def _history(
     return hist, unreadable_history(found, hist)
 
 
+def _at_the_end(j: Any, cfg: Any, recs: list) -> bool:
+    """Whether the resume checkpoint is an ampctl run's last step (``trainer.max_steps``) and
+    none of the changes takes effect on ``--resume`` (scaler, precision): resuming it would
+    train nothing with nothing changed, so the change is tried and given as a fresh start."""
+    from .recommend import resume_overrides
+
+    if j.resume is None or cfg is None or not j.problems or not recs or resume_overrides(recs):
+        return False
+    step = next((c.step for c in j.checkpoints if c.path == j.resume), None)
+    return step is not None and step >= cfg.trainer.max_steps
+
+
+def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool, origin):
+    """The advice tried before it is printed (:mod:`.probe`) from ``origin`` (None: afresh)."""
+    from .probe import ProbeOutcome, probe_advice
+    from .recommend import resume_overrides
+
+    if not probe:
+        return ProbeOutcome(False, "--no-probe")
+    has_lr = any(r.key == "optim.lr" for r in recs)
+    ladder = list(j.lr.ladder) if has_lr and j.lr is not None else []
+    overrides = resume_overrides(recs) if origin else [r.override for r in recs]
+    return probe_advice(
+        fmt=found.format,
+        cfg=cfg,
+        cfg_reason=cfg_reason,
+        resume=origin,
+        overrides=overrides,
+        ladder=ladder,
+        trust_code=trust_code,
+        device=dev,
+    )
+
+
 def _diagnose(
     path: str | Path,
     batches: int,
@@ -358,6 +408,7 @@ def _diagnose(
     fmt: str | None,
     trust_code: bool,
     data: str | Path | None,
+    probe: bool = True,
 ) -> Report:
     dev = check_options(batches, precision, device)
     data_file = Path(data) if data is not None else None
@@ -421,7 +472,18 @@ def _diagnose(
     )
     healthy = any(c.healthy for c in j.checkpoints)
     before = j.verdict.first_bad_step if healthy else None
-    command = resume_command(terms, j.resume, recs, len(j.checkpoints), before)
+    checked = None
+    origin = None if _at_the_end(j, cfg, recs) else j.resume  # a run's last step resumes nothing
+    if j.problems and recs:
+        outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe, origin)
+        recs = apply_probe(recs, outcome)
+        checked = outcome.line()
+    fresh = fresh_overrides(found.config) if found.format == "ampctl" and cfg is not None else None
+    command = resume_command(terms, origin, recs, len(j.checkpoints), before, fresh)
+    if origin is None and j.resume is not None and recs:
+        command = command.split("   #", 1)[0] + (
+            "   # the healthy checkpoint is the run's last step: rerun it with the changes"
+        )
     if who is not None and not j.checkpoints:
         command = (
             f"no checkpoint in the run folder: rerun your loop ({who} integration) from your "
@@ -436,7 +498,7 @@ def _diagnose(
         problems=j.problems + unread,
         recommendations=recs,
         checkpoints=j.checkpoints,
-        resume=Resume(j.resume, command, j.resume_why),
+        resume=Resume(j.resume, command, j.resume_why, checked),
         branch=branch,
         verdict=j.verdict,
     )

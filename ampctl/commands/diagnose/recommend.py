@@ -6,7 +6,8 @@ checkpoint written by another tool, the same change in that tool's terms (``your
 ``TrainingArguments`` names for the HF Trainer, the ``Trainer``/plugin arguments for Lightning,
 ``Accelerator``/``GradScaler`` arguments for Accelerate and plain loops, ``ds_config`` keys for
 DeepSpeed. Which changes follow from the verdict's cause (:mod:`.verdict`): an lr divergence
-lowers the lr by the factor the history gives (and warms it up or clips), a module whose forward
+uses the lr the history gives (:func:`.verdict.lr_change`: the lr at which the loss last fell,
+no fixed factor; warmup or clipping too) and changes no precision, a module whose forward
 or backward leaves fp16's range runs in fp32 (or the run in bf16), a collapsed scale gets the fix
 of its cause, an overflow storm of unknown cause the guard's rollback. The recommended
 ``init_scale`` is :func:`ampctl.amp.formats.recommended_init_scale` (S* = 65504 / max|g| rounded
@@ -29,7 +30,15 @@ from .verdict import Judgement
 
 DEFAULT_MAX_SCALE = ScalerConfig.max_scale  # LossScaler's default ceiling (2^24)
 
-__all__ = ["recommend", "yours", "resume_command", "resume_overrides", "Settings"]
+__all__ = [
+    "apply_probe",
+    "fresh_overrides",
+    "recommend",
+    "yours",
+    "resume_command",
+    "resume_overrides",
+    "Settings",
+]
 
 
 @dataclass
@@ -209,9 +218,12 @@ def recommend(
     kinds = {p.kind for p in j.problems}
     # 1) lr: a divergence lowers it by the history's factor; exploding updates halve it
     _lr_rules(recs, settings, kinds, j)
+    # an lr divergence is the cause: the overflows it led to are its effect, so no precision
+    # change (the module overflowed because the weights blew up, not for fp16's range)
+    lr_cause = j.problems and j.problems[0].kind == "lr_divergence"
     # 2) fp32 modules: the replay's first overflowing module (forward or backward), what the
     #    guard promoted, the modules of the parameters a storm named
-    new, persistent = _fp32_modules(rep, hist, in_fp32, j)
+    new, persistent = _fp32_modules(rep, hist, in_fp32, j) if not lr_cause else ([], False)
     if new:
         mods = list(dict.fromkeys(settings.fp32_modules + in_fp32 + new))
         one = len(new) == 1
@@ -224,8 +236,9 @@ def recommend(
         recs.add(f"precision.fp32_modules=[{','.join(mods)}]", add_reason)
     # 3) bf16: forward overflows that fp32 modules do not cure, a backward that leaves fp16's
     #    range, a scale that collapsed on persistent overflow, or that cannot go lower
-    _bf16_rules(recs, rep, hist, state, kinds, j, precision, bf16_ok, persistent)
-    if hist is not None and hist.fallbacks and hist.fallbacks[-1].to:
+    if not lr_cause:
+        _bf16_rules(recs, rep, hist, state, kinds, j, precision, bf16_ok, persistent)
+    if not lr_cause and hist is not None and hist.fallbacks and hist.fallbacks[-1].to:
         last = hist.fallbacks[-1]
         recs.add(f"precision={last.to}", f"the guard fell back to {last.to} at step {last.step}")
     # 4) fp8: keep the layers with too little headroom out of fp8 (the config key the plugin
@@ -252,18 +265,9 @@ def recommend(
 
 
 def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) -> None:
-    if j.lr is not None and settings.lr is not None:
-        factor, why = j.lr
-        recs.add(
-            f"optim.lr={plain(_round(settings.lr / factor))}",
-            f"the learning rate made the run diverge: {why}; lower it {factor:.3g}x",
-        )
-        d = j.course.departure
-        if d is not None and d.never_improved and not settings.warmup_steps:
-            recs.add(
-                f"optim.warmup_steps={max(10, 2 * d.step)}",
-                "the loss rose at the first updates: ramp the learning rate up",
-            )
+    """1) the lr the history gives (:func:`.verdict.lr_change`; a probe may replace it with the
+    best candidate that held, :mod:`.probe`), a warmup when the loss rose from the first
+    updates, and clipping."""
     exploding = {
         "nonfinite_optimizer_state",
         "extreme_optimizer_state",
@@ -272,11 +276,32 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
         "backward_nonfinite_fp32",
     }
     unchecked = kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled
+    ch = j.lr
+    if ch is not None and ch.lr is not None and not unchecked:
+        what = (
+            "the learning rate made the run diverge"
+            if "lr_divergence" in kinds
+            else "updates diverged (optimizer state, grad norm, or non-finite in fp32 too)"
+        )
+        since = f" (from {plain(_round(settings.lr))})" if settings.lr else ""
+        recs.add(
+            f"optim.lr={plain(_round(ch.lr))}",
+            f"{what}: {ch.why}; use lr {plain(_round(ch.lr))}{since}"
+            + ("" if ch.known else " (not known to hold: the probe tries it)"),
+        )
+        d = j.course.departure
+        if d is not None and d.never_improved and not settings.warmup_steps:
+            recs.add(
+                f"optim.warmup_steps={max(10, 2 * d.step)}",
+                "the loss rose at the first updates: ramp the learning rate up",
+            )
     if kinds & exploding and settings.lr is not None and not unchecked:
+        # no divergence of the loss to read an lr from (the updates blew up while it held):
+        # half the lr, a step down the probe can check
         recs.add(
             f"optim.lr={plain(settings.lr / 2)}",
-            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too): halve "
-            "the learning rate",
+            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too) while the "
+            "loss kept its course, so the history shows no lr to go back to: halve it",
         )
     if (
         kinds & (exploding | {"lr_divergence"})
@@ -392,6 +417,27 @@ def _fp8_rules(fp8: Fp8Section | None, add: Callable[[str, str], None], bf16_ok:
         )
 
 
+def apply_probe(recs: list[Recommendation], outcome) -> list[Recommendation]:
+    """The recommendations with the lr the probe chose (:class:`.probe.ProbeOutcome`): the best
+    candidate that held replaces the history's ``optim.lr``; with none held, the reason says so."""
+    out = []
+    for r in recs:
+        if r.key == "optim.lr" and outcome.ran:
+            chosen = outcome.chosen
+            if chosen is not None and chosen.lr is not None:
+                override = f"optim.lr={plain(chosen.lr)}"
+                r = Recommendation(
+                    override,
+                    f"{r.reason.split('; use lr')[0]}; the probe tried "
+                    f"{len(outcome.trials)} lr(s) and lr {plain(chosen.lr)} held best",
+                    r.yours,  # None: only ampctl runs are probed
+                )
+            elif chosen is None:
+                r = Recommendation(r.override, f"{r.reason}; the probe: it did not hold", r.yours)
+        out.append(r)
+    return out
+
+
 def resume_overrides(recs: list[Recommendation]) -> list[str]:
     """Overrides that take effect on ``ampctl train --resume`` (precision and scaler state come
     from the checkpoint there)."""
@@ -402,12 +448,96 @@ def resume_overrides(recs: list[Recommendation]) -> list[str]:
     ]
 
 
+def _value(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list | tuple):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, float):
+        return plain(v)
+    return str(v)
+
+
+def _leaves(d: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def fresh_overrides(saved: dict | None) -> list[str] | None:
+    """The ``key=value`` overrides that make ``ampctl train``'s default config the run's saved
+    one (``+key=`` for a key the default lacks, ``~key`` for one the run dropped; ``name`` left
+    out so that the fresh run gets a folder of its own): a fresh start of the same run. Plain
+    data only (the saved config is not evaluated). None: no config, or not one of ampctl's."""
+    from ampctl.config import ConfigError, load_config
+
+    if not isinstance(saved, dict):
+        return None
+    try:
+        default = _leaves(load_config([]).to_dict())
+    except ConfigError:
+        return None
+    mine = _leaves(saved)
+    out = []
+    for group in _GROUP_NAMES:  # a group that is mostly another option: that option, then diffs
+        choice = _group_choice(group, mine, default)
+        if choice is not None:
+            out.append(f"{group}={choice[0]}")
+            default.update(choice[1])
+    for k, v in mine.items():
+        if k == "name" or isinstance(v, dict):
+            continue
+        if k not in default:
+            out.append(f"+{k}={_value(v)}")
+        elif default[k] != v:
+            out.append(f"{k}={_value(v)}")
+    out += [f"~{k}" for k in default if k not in mine and k != "name"]
+    return out
+
+
+_GROUP_NAMES = ("model", "data", "optim", "precision", "scaler", "guard")
+#: A group of the saved config is matched against the packaged options only when it differs from
+#: the default option in more keys than this (composing each option costs a Hydra compose).
+_GROUP_DIFFS = 5
+
+
+def _group_choice(
+    group: str, mine: dict[str, object], default: dict[str, object]
+) -> tuple[str, dict[str, object]] | None:
+    """The packaged option of ``group`` (``conf/<group>/*.yaml``) closest to the saved config,
+    when it is closer than the default, and its leaves."""
+    from ampctl.config import ConfigError, load_config, packaged_conf_dir
+
+    def diffs(leaves: dict[str, object]) -> int:
+        keys = {k for k in (*leaves, *mine) if k.startswith(f"{group}.")}
+        return sum(leaves.get(k) != mine.get(k) for k in keys)
+
+    best = (diffs(default), None, None)
+    if best[0] <= _GROUP_DIFFS:
+        return None
+    for opt in sorted(p.stem for p in (packaged_conf_dir() / group).glob("*.yaml")):
+        try:
+            leaves = _leaves(load_config([f"{group}={opt}"]).to_dict())
+        except ConfigError:
+            continue
+        n = diffs(leaves)
+        if n < best[0]:
+            best = (n, opt, {k: v for k, v in leaves.items() if k.startswith(f"{group}.")})
+    return None if best[1] is None else (best[1], best[2])
+
+
 def resume_command(
     fmt: str,
     checkpoint: str | None,
     recs: list[Recommendation],
     checked: int = 1,
     before: int | None = None,
+    fresh: list[str] | None = None,
 ) -> str:
     """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line).
     ``before``: the first sign of trouble, when no checkpoint was written before it."""
@@ -419,10 +549,11 @@ def resume_command(
     if fmt == "ampctl":
         if checkpoint is None:
             short = "none before the trouble" if before is not None else "no healthy checkpoint"
-            return (
-                " ".join(["ampctl train", *[r.override for r in recs if r.override]])
-                + f"   # {short}: start afresh"
-            )
+            changes = [r.override for r in recs if r.override]
+            keys = {c.split("=", 1)[0] for c in changes}
+            # the run's own config (fresh), its keys that a change sets left to the change
+            base = [o for o in fresh or [] if o.lstrip("+~").split("=", 1)[0] not in keys]
+            return " ".join(["ampctl train", *base, *changes]) + f"   # {short}: start afresh"
         return " ".join(["ampctl train --resume", checkpoint, *resume_overrides(recs)])
     if checkpoint is None:
         return f"{none}: start afresh with the changes above"

@@ -26,7 +26,7 @@ def _header(report: Report, console: Any) -> None:
         if c.precision_source and c.precision_source != "checkpoint"
         else ""
     )
-    mods = f", fp32 modules: {', '.join(c['fp32_modules'])}" if c.fp32_modules else ""
+    mods = f", fp32 modules: {', '.join(c.fp32_modules)}" if c.fp32_modules else ""
     step = c.step if c.step is not None else "unknown"
     if c.step is None and not report.checkpoints:
         step = "- (no checkpoint)"
@@ -434,6 +434,8 @@ def _checkpoints(report: Report, console: Any) -> None:
             _say(console, f"  checked {ck.path}: {state}")
     res = report.resume
     if problems:
+        if res.probe:
+            _say(console, res.probe)
         console.print(Text.assemble(("Resume: ", "bold"), (res.command, "cyan")), soft_wrap=True)
         if res.why and res.checkpoint is not None:
             _say(console, f"  ({res.why})")

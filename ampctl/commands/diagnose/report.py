@@ -102,7 +102,9 @@ value a format does not record is ``null`` ("unknown"), never 0::
                        "after_trouble": true}],           # only when written after the first
                                                           # sign of trouble: no resume point
       "resume": {"checkpoint": str|null, "command": str,  # in the writing tool's terms
-                 "why": str}                              # when the history chose it
+                 "why": str,                              # when the history chose it
+                 "probe": str}                            # the advice tried: held or not, or
+                                                          # why it was not tried (diagnose/probe.py)
     }
 
 ``ampctl diagnose --json`` on bad input (exit code 2) prints ``{"error": "the one line"}``.

@@ -466,6 +466,8 @@ class Resume:
     checkpoint: str | None
     command: str
     why: str | None = OPTIONAL()
+    #: whether the advice held when tried (:mod:`.probe`), or why it was not tried
+    probe: str | None = OPTIONAL()
 
 
 @dataclass

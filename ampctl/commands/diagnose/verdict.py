@@ -8,11 +8,13 @@ events and the replay. It is
   divergence before the non-finite steps it led to, a broken state, the module whose forward or
   backward leaves the precision's range, a collapsed scale with what made it collapse (an
   overflow storm, or a bad floor or backoff), an overflow storm still going, ...;
-* ``recovered`` (exit code 0) when the run left its course and came back -- a rollback, a
-  promotion, a fallback, skipped spikes, a storm that ended, a transient fault the rerun did not
-  reproduce -- with those events named;
+* ``recovered`` (exit code 0) when an intervention restored the course -- a rollback, a
+  promotion, a fallback, a demotion, a rerun, a divergence the guard acted on -- or the run left
+  its course and came back (a storm that ended), with those events named;
 * ``healthy`` otherwise. Isolated skipped steps whose scale recovered while the loss kept its
-  course are how dynamic loss scaling works: no problem, no advice.
+  course are how dynamic loss scaling works, and skipped spikes on a clean course how the spike
+  rule works: no problem, no advice, each listed as a note (docs/diagnose.md, "Healthy,
+  recovered, broken").
 
 The resume point is the newest checkpoint with a healthy state written before the first sign of
 trouble (:attr:`~.course.Course.first_bad_step`), never one written after it.
@@ -33,12 +35,19 @@ from .stages import (
     History,
     Problem,
     Replay,
-    Row,
     ScalerState,
     Verdict,
 )
 
-__all__ = ["ORDER", "STATE_KINDS", "Judgement", "judge", "history_problems", "lr_change"]
+__all__ = [
+    "ORDER",
+    "STATE_KINDS",
+    "Judgement",
+    "LrChange",
+    "judge",
+    "history_problems",
+    "lr_change",
+]
 
 #: Problem kinds, cause first: the verdict's kind is the first problem's.
 ORDER = (
@@ -62,6 +71,7 @@ _RANK = {k: i for i, kinds in enumerate(ORDER) for k in kinds}
 GROWTH_WASTE = 0.10
 #: Guard events that make a run "recovered" once it went on clean after them.
 _RECOVERIES = ("rollback", "fallback", "promotion", "demotion", "spike", "rerun", "divergence")
+#: (a skipped spike alone makes no run recovered: see :func:`_intervened`)
 
 
 @dataclass
@@ -74,69 +84,78 @@ class Judgement:
     resume: str | None
     resume_why: str | None
     course: Course
-    #: (divide the lr by, why) when the lr is the cause
-    lr: tuple[float, str] | None = None
+    #: the lr to use (worked out from the history) when the lr is the cause
+    lr: LrChange | None = None
     #: the cause of a collapsed scale: "overflow" | "floor" | "backoff" | None
     collapse: str | None = None
     storm_params: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- lr
-def lr_change(course: Course, h: History | None, lr: float | None) -> tuple[float, str] | None:
-    """How much to lower the learning rate, from the history (a factor, and why):
+@dataclass(frozen=True)
+class LrChange:
+    """The learning rate to use, worked out from the run's history (no fixed factor): ``lr``
+    the recommended ``optim.lr`` (None: none can be worked out), ``why`` in words, ``ladder``
+    the candidates a probe tries (highest first, ``lr`` first), ``known`` whether the run went
+    on well at ``lr`` (else it is only below the lr the trouble began at)."""
 
-    * the guard's divergence rule rolled back and cut the lr (an ``lr_factor``): down to the
-      highest lr the run went on clean at after it (the rows after the rollback), else that
-      factor;
-    * the guard's divergence rule stopped a run whose logged lr had risen since its lowest loss
-      (a schedule, a change): back to the lr of the lowest loss; else 2x;
-    * the loss rose from the first updates, before it ever fell: 10x (and a warmup), in a
-      warmup too (no lr is known to have worked: its lowest row is where it started);
-    * the loss fell while a warmup raised the lr and rose once the lr grew past the lr of its
-      lowest row (the last lr that worked): down to that lr, at least 2x;
-    * it fell first and rose later at the same lr: 2x (and clipping).
+    lr: float | None
+    why: str
+    ladder: list[float] = field(default_factory=list)
+    known: bool = False
 
-    ``lr``: the run's configured lr (the factor divides it)."""
+
+def lr_change(course: Course, h: History | None, lr: float | None) -> LrChange | None:
+    """The learning rate the run should use, from its history:
+
+    * the guard's divergence rule rolled back and cut the lr (an ``lr_factor``): the highest lr
+      the run went on clean at after it (the rows after the rollback), else the cut lr;
+    * else :func:`ampctl.protect.advice.lr_advice` on the logged rows: the lr at which the loss
+      last fell (after the trouble too: a decay that brought the run back shows the lr that
+      works), with a warmup below the lr of the first bad row (the lr of the row before it, or
+      of the first update);
+    * no lr logged: the configured one is the only one known to be too high (an unchecked
+      ladder below it, for the probe).
+
+    ``lr``: the run's configured lr."""
+    from ampctl.protect.advice import fmt_lr, lr_advice
+
     rows = h.rows if h is not None else []
     ev = next((e for e in _events(h, "divergence") if _number(e.data.get("lr_factor"))), None)
     if ev is not None:
         f = float(ev.data["lr_factor"])
-        f = 1 / f if f < 1 else f
-        why = f"the guard's divergence rule rolled back at step {_at(ev)} and cut it {f:g}x"
+        f = f if f < 1 else 1 / f
+        why = f"the guard's divergence rule rolled back at step {_at(ev)} and cut the lr {1 / f:g}x"
         after = [r.learning_rate for r in rows if r.step > _at(ev) and _number(r.learning_rate)]
         if after and _clean_end(course) and lr and lr > 1.05 * max(after):
-            return lr / max(after), f"{why}; the run went on clean at lr {max(after):.3g}"
-        return f, why
+            top = max(after)
+            return LrChange(top, f"{why}; the run went on clean at lr {fmt_lr(top)}", [top], True)
+        if lr:
+            return LrChange(lr * f, why, [lr * f * f**k for k in range(3)], False)
+        return LrChange(None, why)
     d = course.departure
-    if d is None:
-        stop = next(iter(_events(h, "divergence")), None)
-        if stop is None:
-            return None
-        why = f"the guard's divergence rule stopped the run at step {stop.step}"
-        rose = _lr_rise(rows, stop)
-        if rose is not None:
-            low, high = rose
-            f = max(2.0, max(lr or 0.0, high.learning_rate) / low.learning_rate)
-            return f, (
-                f"{why}, after the lr rose from {low.learning_rate:.3g} (step {low.step}, its "
-                f"lowest loss {low.loss:.4g}) to {high.learning_rate:.3g} (step {high.step}): "
-                f"back to {low.learning_rate:.3g}"
-            )
-        return 2.0, why
-    if d.never_improved:  # no lr is known to have worked: far too high, even in a warmup
-        grew = f", {_lr_grew(d)}" if d.lr_rose else ""
-        return (
-            10.0,
-            f"the loss rose from the first updates, before it ever fell{grew}: far too high",
-        )
-    if d.lr_rose:
-        peak = max([lr or 0.0, d.lr_peak, *(r.learning_rate or 0.0 for r in rows)])
-        f = max(2.0, peak / d.lr_at_min)
-        return f, (
-            f"the loss was at its lowest while the lr was at most {d.lr_at_min:.3g} and rose as "
-            f"the lr grew past it (lr {d.lr_at_step:.3g} at step {d.step})"
-        )
-    return 2.0, "the loss fell for a while and then rose at the same learning rate"
+    trouble = course.first_bad_step
+    if d is not None:
+        trouble = d.step if trouble is None else min(trouble, d.step)
+    stop = next(iter(_events(h, "divergence")), None)
+    if trouble is None and stop is not None:
+        since = stop.data.get("since")
+        trouble = int(since) + 1 if _number(since) else stop.step
+    start = d.first_loss if d is not None else None
+    adv = lr_advice([(r.step, r.loss, r.learning_rate) for r in rows], trouble=trouble, start=start)
+    if adv is not None and adv.ladder:
+        return LrChange(adv.lr, adv.why, list(adv.ladder), adv.known)
+    if adv is not None:
+        top = adv.bad_lr
+    elif lr:
+        top = lr
+    else:
+        return None
+    # nothing below the bad lr is known: an unchecked ladder below it (halvings), for a probe
+    why = (adv.why if adv is not None else f"the run diverged at its lr {fmt_lr(top)}") + (
+        ": lower it"
+    )
+    return LrChange(top / 2, why, [top / 2**k for k in range(1, 5)], False)
 
 
 def _at(e: GuardEvent) -> int:
@@ -144,20 +163,6 @@ def _at(e: GuardEvent) -> int:
     restored, its ``from_step`` is where the rule fired)."""
     at = e.data.get("from_step", e.step)
     return int(at) if _number(at) else e.step
-
-
-def _lr_rise(rows: list[Row], stop: GuardEvent) -> tuple[Row, Row] | None:
-    """The row of the lowest loss logged before the divergence the guard stopped at, and the
-    row of the highest lr logged from it to the stop, when the lr rose more than 5% in between
-    (None: it did not, or no lr is logged)."""
-    upto = [r for r in rows if r.step <= stop.step and _number(r.learning_rate) and _fin(r.loss)]
-    since = stop.data.get("since")
-    before = [r for r in upto if not _number(since) or r.step <= since] or upto
-    if not before:
-        return None
-    low = min(before, key=lambda r: r.loss)
-    high = max((r for r in upto if r.step >= low.step), key=lambda r: r.learning_rate)
-    return (low, high) if high.learning_rate > 1.05 * low.learning_rate else None
 
 
 def _fin(x: float | None) -> bool:
@@ -367,6 +372,50 @@ def _fold_collapse(problems: list[Problem], collapse: str, cause: str) -> list[P
 
 
 # ---------------------------------------------------------------------------- checkpoints
+#: A checkpoint whose largest weight is this many times the run's earliest checkpoint's has
+#: weights that exploded (finite, but orders of magnitude off): the trouble began before it.
+WEIGHT_GROWTH = 100.0
+
+
+def weights_trouble(facts: list[CheckpointFacts]) -> int | None:
+    """The first step of trouble the checkpoints' weights show: the step after the last
+    checkpoint before the first whose largest |w| is :data:`WEIGHT_GROWTH` times the earliest
+    checkpoint's (its weights exploded; the loss there may be huge yet finite). None: none did.
+    Reads the checkpoints' own figures only (no history needed)."""
+    known = sorted(
+        (c for c in facts if c.step is not None and c.weight_amax is not None),
+        key=lambda c: c.step,
+    )
+    known = [c for c in known if math.isfinite(c.weight_amax)]
+    if len(known) < 2 or not known[0].weight_amax > 0:
+        return None
+    base = known[0].weight_amax
+    for before, c in zip(known, known[1:], strict=False):
+        if c.weight_amax >= WEIGHT_GROWTH * base:
+            return before.step + 1
+    return None
+
+
+def _blown_weights(facts: list[CheckpointFacts], blown: int) -> Problem:
+    known = sorted(
+        (c for c in facts if c.step is not None and c.weight_amax is not None),
+        key=lambda c: c.step,
+    )
+    first, top = known[0], max(known, key=lambda c: c.weight_amax)
+    return Problem(
+        "extreme_weights",
+        f"the largest weight grew from {first.weight_amax:.4g} (step {first.step}) to "
+        f"{top.weight_amax:.4g} (step {top.step}), {top.weight_amax / first.weight_amax:.3g}x: "
+        f"the weights exploded after step {blown - 1} (finite, but the updates ran away)",
+        step=blown,
+    )
+
+
+def _earliest(*steps: int | None) -> int | None:
+    known = [s for s in steps if s is not None]
+    return min(known) if known else None
+
+
 def _checkpoints(
     facts: list[CheckpointFacts], first_bad: int | None
 ) -> tuple[list[CheckpointHealth], str | None]:
@@ -531,8 +580,15 @@ def judge(
                     "; nothing checked the gradients before the optimizer applied them (no loss "
                     "scaler): one non-finite step is enough"
                 )
+    # without a logged loss, the checkpoints' weights are the course: a growth by orders of
+    # magnitude is the trouble (with one, the history judges, and a fault the guard cured by a
+    # promotion is not a false alarm)
+    blown = weights_trouble(facts) if h is None or not h.rows else None
+    if blown is not None and own is not None and own.step is not None and own.step >= blown:
+        if not problems:  # the weights' growth is the only sign: it is the problem
+            problems.append(_blown_weights(facts, blown))
     problems = _ordered(problems)
-    first_bad = course.first_bad_step
+    first_bad = _earliest(course.first_bad_step, blown)
     bad_own = own is not None and own.bad and own.step is not None
     if bad_own and (first_bad is None or own.step < first_bad):
         first_bad = own.step  # its own state is broken: the trouble is no later than it
@@ -545,14 +601,14 @@ def judge(
         status, kind = "broken", problems[0].kind
         summary = f"broken: {problems[0].message}"
         cause = problems[0].message
-    elif events:
+    elif _intervened(events, h):
         status, kind, cause = "recovered", None, None
         summary = (
             "recovered: " + ", ".join(events) + (", clean since" if _clean_end(course) else "")
         )
-    else:
+    else:  # isolated skipped steps and skipped spikes on a clean course: how protection works
         status, kind, cause = "healthy", None, None
-        summary = "healthy" + _healthy_note(course)
+        summary = "healthy" + _healthy_note(course, h)
     verdict = Verdict(
         status=status,
         kind=kind,
@@ -596,14 +652,30 @@ def _clean_end(course: Course) -> bool:
     return all(e.resolved for e in course.episodes)
 
 
-def _healthy_note(course: Course) -> str:
+def _intervened(events: list[str], h: History | None) -> bool:
+    """Whether the story holds more than skipped spikes: an intervention (a rollback, a
+    promotion, a fallback, a demotion, a rerun, a divergence the guard acted on) or an episode
+    that left the course. Skipped spikes alone, on a clean course, are a healthy run's notes."""
+    spikes = _spikes(h)
+    return any(e != spikes for e in events)
+
+
+def _healthy_note(course: Course, h: History | None = None) -> str:
+    """The notes of a healthy run: every isolated skipped step and every skipped spike."""
+    notes = []
     skips = [e for e in course.episodes if e.kind in ("isolated", "calibration")]
-    if not skips:
-        return ""
-    n = sum(e.end - e.start + 1 for e in skips)
-    steps = ", ".join(str(e.start) for e in skips[:6]) + (" ..." if len(skips) > 6 else "")
-    return (
-        f": {n} isolated skipped step{'s' if n > 1 else ''} ({steps}), each followed by clean "
-        f"steps with the loss on course (fewer than {STORM_MIN} in a row: the scaler backing "
-        "off, as dynamic loss scaling does)"
-    )
+    if skips:
+        n = sum(e.end - e.start + 1 for e in skips)
+        steps = ", ".join(str(e.start) for e in skips[:6]) + (" ..." if len(skips) > 6 else "")
+        notes.append(
+            f"{n} isolated skipped step{'s' if n > 1 else ''} ({steps}), each followed by clean "
+            f"steps with the loss on course (fewer than {STORM_MIN} in a row: the scaler backing "
+            "off, as dynamic loss scaling does)"
+        )
+    spikes = _spikes(h)
+    if spikes is not None:
+        notes.append(
+            f"{spikes}, the loss on course after each (the spike rule skipping an outlier step, "
+            "as it should: no intervention was needed)"
+        )
+    return (": " + "; ".join(notes)) if notes else ""

@@ -59,3 +59,12 @@ def kinds(report: dict) -> list[str]:
 
 def problem(report: dict, kind: str) -> dict:
     return next(p for p in report["problems"] if p["kind"] == kind)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The corpus's runs, each written once per session, when a case first needs it (shared
+    by test_corpus.py and test_closed_loop.py)."""
+    from .corpus.cases import Corpus
+
+    return Corpus(tmp_path_factory.mktemp("corpus"))

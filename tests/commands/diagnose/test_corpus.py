@@ -13,15 +13,9 @@ from typer.testing import CliRunner
 from ampctl.cli import app
 
 from .corpus import table as corpus_table
-from .corpus.cases import BY_NAME, CASES, KINDS, Corpus, mismatches, missing_library
+from .corpus.cases import BY_NAME, CASES, KINDS, mismatches, missing_library
 
 README = Path(__file__).resolve().parents[3] / "README.md"
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Corpus:
-    """The corpus's runs, each written once per session, when a case first needs it."""
-    return Corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _param(case):

@@ -125,52 +125,52 @@ def test_checkpoints_tell_which_steps_were_skipped():
 
 
 # ---------------------------------------------------------------------------- the lr
-def test_the_lr_factor_comes_from_the_history():
-    # the loss rose at the first updates: 10x
+def test_the_lr_comes_from_the_history_not_a_factor():
+    # the loss rose at the first updates, no lr logged: the configured one is too high, and
+    # nothing below it is known (an unchecked ladder for the probe)
     course = run_course(hist([3.9, 8.0, 9.0, 8.5, 9.5]), None, [])
-    assert lr_change(course, None, 1.0)[0] == 10.0
-    # the loss fell while a warmup raised the lr, and rose once the lr passed 0.125 (where its
-    # level was lowest): down to that lr
+    ch = lr_change(course, None, 1.0)
+    assert ch.lr == 0.5 and not ch.known and ch.ladder[0] == 0.5
+    # the loss fell while a warmup raised the lr, and rose once the lr passed 0.1 (where it
+    # last fell): that lr
     lr = [0.025 * (i + 1) for i in range(12)]
     losses = [4.0, 3.8, 3.6, 3.4, 3.6, 5.0, 6.0, 7.0, 7.5, 8.0, 8.0, 8.0]
     h = hist(losses, lr=lr)
     course = run_course(h, None, [])
-    factor, why = lr_change(course, h, 0.3)
+    ch = lr_change(course, h, 0.3)
     assert course.departure.lr_at_min == 0.125 and course.departure.lr_at_step == 0.2
-    assert factor == pytest.approx(0.3 / 0.125) and "lr was at most 0.125" in why
+    assert ch.known and ch.lr == pytest.approx(0.1) and "last fell at step 4" in ch.why
     # the loss rose from its first row while a warmup raised the lr: no lr is known to have
-    # worked (the lowest row is where it started), far too high: 10x, the warmup named
+    # worked; below the first bad row's lr: the lr of the first update, not known to hold
     h = hist([4.0, 4.6, 5.0, 5.4, 5.5, 5.6, 5.6], lr=[0.075, 0.15, 0.225, 0.3, 0.3, 0.29, 0.28])
     course = run_course(h, None, [])
-    factor, why = lr_change(course, h, 0.3)
+    ch = lr_change(course, h, 0.3)
     assert course.departure.never_improved and course.departure.lr_rose
-    assert factor == 10.0 and "as the lr grew from 0.075 to 0.3 (step 4)" in why
-    # the guard's divergence rule said it: its factor
+    assert not ch.known and ch.lr < 0.15
+    # the guard's divergence rule rolled back and cut it: the cut lr
     h = hist([3.0] * 10, events=[(30, "divergence", {"action": "rollback", "lr_factor": 0.5})])
-    assert lr_change(run_course(h, None, []), h, 1e-3)[0] == 2.0
+    assert lr_change(run_course(h, None, []), h, 1e-3).lr == pytest.approx(5e-4)
 
 
 def test_the_guards_divergence_events_give_the_lr_the_run_worked_at():
-    # it stopped the run after the lr jumped 300x: back to the lr of the lowest loss
+    # it stopped the run after the lr jumped 300x: back to the lr the loss last fell at
     losses = [4.2, 4.1, 4.0, 3.9, 3.95, 11.3]
     lr = [1e-3] * 4 + [0.3, 0.3]
     stop = (6, "divergence", {"action": "stop", "since": 4})
     h = hist(losses, events=[stop], lr=lr)
     course = run_course(h, None, [])
     assert course.departure is None  # one high row: the rule fired before a level could move
-    factor, why = lr_change(course, h, 0.3)
-    assert factor == pytest.approx(300.0) and "from 0.001 (step 4, its lowest loss 3.9)" in why
-    # ... the same at one lr: 2x
+    ch = lr_change(course, h, 0.3)
+    assert ch.lr == pytest.approx(1e-3) and ch.known and "last fell at step 4" in ch.why
+    # ... the same at one lr: nothing below it is known, a ladder below it (not known)
     h = hist(losses, events=[stop], lr=[1e-3] * 6)
-    assert lr_change(run_course(h, None, []), h, 1e-3) == (
-        2.0,
-        "the guard's divergence rule stopped the run at step 6",
-    )
+    ch = lr_change(run_course(h, None, []), h, 1e-3)
+    assert not ch.known and ch.lr < 1e-3
     # it rolled back and cut the lr, and the run went on clean: the lr it went on at
     back = (4, "divergence", {"action": "rollback", "lr_factor": 0.5, "to_step": 4, "from_step": 6})
     h = hist([4.2, 4.1, 4.0, 3.9, 3.8, 3.7, 3.6, 3.5], events=[back], lr=[1e-3] * 6 + [5e-4] * 2)
     j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=0.3)
-    assert j.lr[0] == pytest.approx(600.0) and "went on clean at lr 0.0005" in j.lr[1]
+    assert j.lr.lr == pytest.approx(5e-4) and "went on clean at lr 0.0005" in j.lr.why
     assert j.verdict.summary == (
         "recovered: the loss diverged at step 6: rolled back to 4, lr x0.5, clean since"
     )

@@ -63,14 +63,15 @@ def ep(kind, start, end, resolved=True, text="t"):
 
 
 # ---------------------------------------------------------------------------- the lr
-def test_the_guards_lr_factor_is_the_cut_either_way_it_is_written():
+def test_the_guards_lr_cut_gives_the_cut_lr_either_way_it_is_written():
     h = hist(rows([3.0] * 5), [ev(4, "divergence", action="rollback", lr_factor=0.25)])
-    assert lr_change(course(), h, None) == (
-        4.0,
-        "the guard's divergence rule rolled back at step 4 and cut it 4x",
-    )
-    h = hist(rows([3.0] * 5), [ev(4, "divergence", action="rollback", lr_factor=3.0)])
-    assert lr_change(course(), h, None)[0] == 3.0
+    ch = lr_change(course(), h, 1e-3)
+    assert ch.lr == pytest.approx(2.5e-4) and not ch.known
+    assert ch.why == "the guard's divergence rule rolled back at step 4 and cut the lr 4x"
+    h = hist(rows([3.0] * 5), [ev(4, "divergence", action="rollback", lr_factor=4.0)])
+    assert lr_change(course(), h, 1e-3).lr == pytest.approx(2.5e-4)
+    # no configured lr: nothing to cut
+    assert lr_change(course(), h, None).lr is None
     # a factor that is no positive number is not one (a bool, 0, inf, text): the next event's
     for bad in (True, 0, -0.5, INF, "0.5"):
         h = hist(
@@ -80,121 +81,47 @@ def test_the_guards_lr_factor_is_the_cut_either_way_it_is_written():
                 ev(4, "divergence", action="rollback", lr_factor=0.5),
             ],
         )
-        assert lr_change(course(), h, None) == (
-            2.0,
-            "the guard's divergence rule rolled back at step 4 and cut it 2x",
-        )
+        assert lr_change(course(), h, 1e-3).lr == pytest.approx(5e-4)
 
 
 def test_after_a_rollback_the_lr_the_run_went_on_clean_at():
     r = rows([3.0] * 8, lr=[1e-3] * 6 + [2e-4, 2.5e-4])
     back = ev(4, "divergence", action="rollback", lr_factor=0.5, from_step=6, to_step=4)
     h = hist(r, [back])
-    factor, why = lr_change(course(), h, 1e-3)
-    # the rows after step 6 (the rule fired there): at most 2.5e-4
-    assert factor == pytest.approx(4.0)
-    assert why == (
-        "the guard's divergence rule rolled back at step 6 and cut it 2x; the run went on clean "
-        "at lr 0.00025"
+    ch = lr_change(course(), h, 1e-3)
+    # the rows after step 6 (the rule fired there): at most 2.5e-4, known to work
+    assert ch.lr == pytest.approx(2.5e-4) and ch.known
+    assert ch.why == (
+        "the guard's divergence rule rolled back at step 6 and cut the lr 2x; the run went on "
+        "clean at lr 0.00025"
     )
-    # the configured lr no more than 5% above it: the factor
-    assert lr_change(course(), h, 1.05 * 2.5e-4)[0] == 2.0
-    assert lr_change(course(), h, 1.06 * 2.5e-4)[0] == pytest.approx(1.06)
-    assert lr_change(course(), h, None)[0] == 2.0
-    # not clean since: the factor
+    # the configured lr no more than 5% above it: the cut lr
+    assert lr_change(course(), h, 1.05 * 2.5e-4).lr == pytest.approx(1.05 * 2.5e-4 / 2)
+    # not clean since: the cut lr, not known to hold
     storm = ep("storm", 7, 8, resolved=False)
-    assert lr_change(course(None, storm), h, 1e-3)[0] == 2.0
-    # no lr logged after the step it fired at: the factor
+    assert not lr_change(course(None, storm), h, 1e-3).known
+    # no lr logged after the step it fired at: the cut lr
     h = hist(rows([3.0] * 6, lr=[1e-3] * 6), [back])
-    assert lr_change(course(), h, 1e-3)[0] == 2.0
-    # a from_step that is no number: the event's step
-    odd = ev(4, "divergence", action="rollback", lr_factor=0.5, from_step="x")
-    assert V._at(odd) == 4
-    assert V._at(ev(4, "divergence", from_step=6.0)) == 6
-    assert V._at(ev(4, "divergence", from_step=True)) == 4
+    assert lr_change(course(), h, 1e-3).lr == pytest.approx(5e-4)
 
 
-def test_a_stop_after_the_lr_rose_goes_back_to_the_lr_of_the_lowest_loss():
+def test_a_stop_after_the_lr_rose_goes_back_to_the_lr_the_loss_last_fell_at():
     losses = [4.2, 4.1, 4.0, 3.9, 3.95, 11.3]
     lr = [1e-3] * 4 + [0.3, 0.3]
     stop = ev(6, "divergence", action="stop", since=4)
     h = hist(rows(losses, lr=lr), [stop])
-    factor, why = lr_change(course(), h, 0.1)
-    assert factor == pytest.approx(300.0)
-    assert why == (
-        "the guard's divergence rule stopped the run at step 6, after the lr rose from 0.001 "
-        "(step 4, its lowest loss 3.9) to 0.3 (step 5): back to 0.001"
-    )
-    # the configured lr, when higher than any logged
-    assert lr_change(course(), h, 0.6)[0] == pytest.approx(600.0)
-    # at least 2x
-    h = hist(rows(losses, lr=[1e-3] * 4 + [1.5e-3] * 2), [stop])
-    assert lr_change(course(), h, None)[0] == 2.0
-    assert "rose from 0.001" in lr_change(course(), h, None)[1]
-    # no lr: 2x and why
+    ch = lr_change(course(), h, 0.1)
+    assert ch.lr == pytest.approx(1e-3) and ch.known
+    assert ch.why == "the loss last fell at step 4, at lr 0.001 (it rose at lr 0.3, step 5)"
+    assert ch.ladder[:2] == [pytest.approx(1e-3), pytest.approx(1e-3 / 300)]
+    # no lr logged: below the configured one, not known to hold
     h = hist(rows(losses), [stop])
-    assert lr_change(course(), h, 0.1) == (
-        2.0,
-        "the guard's divergence rule stopped the run at step 6",
-    )
-    # no divergence event and no departure: nothing to lower
-    assert lr_change(course(), hist(rows(losses)), 0.1) is None
-    assert lr_change(course(), None, 0.1) is None
-
-
-def test_the_lr_rise_before_a_stop():
-    stop = ev(6, "divergence", action="stop", since=3)
-    r = rows([4.0, 3.0, 3.5, 2.0, 5.0, 9.0], lr=[1.0, 1.0, 1.0, 1.0, 1.04, 1.06])
-    # the lowest loss up to `since` (3.0 at 2; 2.0 at 4 is later), the highest lr from it on
-    low, high = V._lr_rise(r, stop)
-    assert (low.step, high.step) == (2, 6)
-    # a rise of 5% or less is none
-    r2 = rows([4.0, 3.0, 3.5, 2.0, 5.0, 9.0], lr=[1.0, 1.0, 1.0, 1.0, 1.04, 1.05])
-    assert V._lr_rise(r2, stop) is None
-    # rows after the stop, rows without an lr or a finite loss are not read
-    r3 = rows([4.0, 3.0, NAN, 2.0, 5.0, 9.0, 1.0], lr=[1.0, 1.0, 9.0, None, 1.0, 1.0, 9.0])
-    assert V._lr_rise(r3, stop) is None
-    # no `since`: every row up to the stop
-    low, high = V._lr_rise(r, ev(6, "divergence", action="stop"))
-    assert (low.step, high.step) == (4, 6)
-    # a `since` before every row: every row up to the stop
-    low, _ = V._lr_rise(r, ev(6, "divergence", action="stop", since=0))
-    assert low.step == 4
-    assert V._lr_rise(rows([1.0, 2.0]), stop) is None
-
-
-def test_the_loss_rose_from_the_first_updates_10x():
-    assert lr_change(course(dep(never_improved=True)), None, 1.0) == (
-        10.0,
-        "the loss rose from the first updates, before it ever fell: far too high",
-    )
-    d = dep(never_improved=True, lr_at_min=0.075, lr_peak=0.3, lr_peak_step=4)
-    assert lr_change(course(d), None, 1.0) == (
-        10.0,
-        "the loss rose from the first updates, before it ever fell, as the lr grew from 0.075 "
-        "to 0.3 (step 4): far too high",
-    )
-
-
-def test_a_rise_as_a_warmup_grew_the_lr_back_to_the_lr_of_the_lowest_loss():
-    d = dep(lr_at_min=0.125, lr_peak=0.2, lr_peak_step=9, lr_at_step=0.2)
-    why = (
-        "the loss was at its lowest while the lr was at most 0.125 and rose as the lr grew past "
-        "it (lr 0.2 at step 10)"
-    )
-    assert lr_change(course(d), None, None) == (2.0, why)  # 1.6x: at least 2x
-    assert lr_change(course(d), None, 0.3) == (pytest.approx(2.4), why)
-    h = hist(rows([1.0, 1.0], lr=[0.5, None]))
-    assert lr_change(course(d), h, 0.3)[0] == pytest.approx(4.0)  # the highest logged lr
-    d = dep(lr_at_min=0.125, lr_peak=0.375, lr_peak_step=9, lr_at_step=0.2)
-    assert lr_change(course(d), None, 0.3)[0] == pytest.approx(3.0)  # its peak
-
-
-def test_a_rise_at_the_same_lr_2x():
-    assert lr_change(course(dep(lr_at_min=0.1, lr_peak=0.1)), None, 0.1) == (
-        2.0,
-        "the loss fell for a while and then rose at the same learning rate",
-    )
+    ch = lr_change(course(), h, 0.1)
+    assert ch.lr == pytest.approx(0.05) and not ch.known
+    assert ch.why == "the run diverged at its lr 0.1: lower it"
+    # no divergence event and no departure: nothing is worked out without an lr
+    assert lr_change(course(), hist(rows(losses)), None) is None
+    assert lr_change(course(), None, None) is None
 
 
 def test_number_and_fin():
@@ -892,19 +819,16 @@ def test_without_a_loss_scaler_a_non_finite_state_says_nothing_checked_the_gradi
 
 
 def test_the_lr_advice_comes_with_a_divergence_or_a_rollback_only():
-    # a loss that rose at the first updates: an lr divergence, 10x
+    # a loss that rose at the first updates: an lr divergence, an lr below the configured one
     h = hist(rows([3.9, 8.0, 9.0, 8.5, 9.5]))
     j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=1.0)
-    assert j.verdict.kind == "lr_divergence" and j.lr[0] == 10.0
+    assert j.verdict.kind == "lr_divergence" and j.lr.lr < 1.0 and not j.lr.known
     assert j.verdict.first_bad_step == 1 and j.resume_why.startswith("no checkpoint")
     # a rollback that cured it: the advice, and recovered
     back = ev(4, "divergence", action="rollback", lr_factor=0.5, from_step=6, to_step=4)
     h = hist(rows([4.2, 4.1, 4.0, 3.9, 3.8, 3.7]), [back])
     j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=1e-3)
-    assert j.verdict.status == "recovered" and j.lr == (
-        2.0,
-        "the guard's divergence rule rolled back at step 6 and cut it 2x",
-    )
+    assert j.verdict.status == "recovered" and j.lr.lr == pytest.approx(5e-4)
     # a warned divergence: no advice
     h = hist(rows([4.2, 4.1, 4.0, 3.9, 3.8, 3.7]), [ev(6, "divergence", action="warn")])
     j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=1e-3)
@@ -976,10 +900,7 @@ def test_a_repeated_event_whose_text_has_a_parenthesis_is_told_once_counted():
 # ---------------------------------------------------------------------------- edges (mutants)
 def test_a_factor_between_1_and_2_is_the_cut_itself():
     h = hist(rows([3.0] * 3), [ev(2, "divergence", action="rollback", lr_factor=1.5)])
-    assert lr_change(course(), h, None) == (
-        1.5,
-        "the guard's divergence rule rolled back at step 2 and cut it 1.5x",
-    )
+    assert lr_change(course(), h, 3.0).lr == pytest.approx(2.0)
 
 
 def test_a_checkpoint_without_a_step_is_older_than_one_at_step_0():
@@ -992,11 +913,6 @@ def test_seven_isolated_runs_are_shown_six_and_more():
     assert V._healthy_note(seven).startswith(
         ": 7 isolated skipped steps (10, 20, 30, 40, 50, 60 ...), each"
     )
-
-
-def test_the_lowest_loss_at_the_stop_itself_is_no_rise():
-    stop = ev(3, "divergence", action="stop")
-    assert V._lr_rise(rows([4.0, 3.0, 2.0], lr=[1.0, 1.0, 1.0]), stop) is None
 
 
 def test_overflow_words_name_the_episodes_own_parameters_and_count_two():

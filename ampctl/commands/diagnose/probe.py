@@ -1,0 +1,225 @@
+"""Advice checked before it is printed (#36): a short probe of the recommended change from the
+recommended checkpoint, and, for an lr, a small ladder of candidates from the history
+(:attr:`.verdict.LrChange.ladder`) of which the best that holds is recommended.
+
+A probe is ampctl's own protected loop (:class:`ampctl.train.trainer.Trainer`) run for
+:data:`PATIENCES` times the divergence rule's patience in log rows of :data:`PROBE_EVERY` steps,
+in a temporary run folder that is removed after, from the checkpoint (or, with none before the
+trouble, from a fresh start of the run's config) with the change applied. The config is the
+checkpoint's through the trust rule (:func:`ampctl.config.config_from_saved`); the data is the
+run's own when it is synthetic or ``--trust-code`` allows the paths its config names, else
+synthetic batches of the run's shape, as the replay does (:func:`.replay.replay_data`). No sink,
+plot or activation probe runs.
+
+A candidate *held* when the probe ended ``ok`` (no abort, no divergence) with every row finite,
+the mean loss of its last third of rows no higher than :data:`~ampctl.protect.advice.ABOVE_START`
+times the loss it started from and below the mean of the third before (still falling: a loss
+that stalled high is an lr too high to go on at); the best one that held is the one with the
+lowest mean over its last third. Only ampctl runs
+are probed (the model and the loop are rebuilt from the checkpoint alone); other formats say why.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PATIENCES", "PROBE_EVERY", "Trial", "ProbeOutcome", "probe_advice"]
+
+#: Probe length in the divergence rule's patience (rows): long enough for it to fire.
+PATIENCES = 4
+#: Steps per probe row.
+PROBE_EVERY = 2
+#: Candidates tried at most, and the wall-clock budget of all probes together (seconds).
+MAX_TRIALS = 5
+BUDGET_S = 120.0
+
+
+@dataclass
+class Trial:
+    lr: float | None
+    status: str
+    first: float | None  # the loss it started from (before its first update), else its first row
+    last: float | None
+    steps: int
+    held: bool
+
+    def words(self) -> str:
+        from ampctl.protect.advice import fmt_lr
+
+        lr = f"lr {fmt_lr(self.lr)}" if self.lr is not None else "the change"
+        how = "held" if self.held else ("did not hold" if self.status == "ok" else self.status)
+        figs = (
+            f", loss {self.first:.4g} -> {self.last:.4g}"
+            if self.first is not None and self.last is not None
+            else ""
+        )
+        return f"{lr}: {how}{figs}"
+
+
+@dataclass
+class ProbeOutcome:
+    ran: bool
+    reason: str | None = None  # why no probe ran
+    origin: str | None = None  # the checkpoint it started from (None: a fresh start)
+    steps: int = 0
+    data: str | None = None
+    trials: list[Trial] = field(default_factory=list)
+    chosen: Trial | None = None
+
+    def line(self) -> str:
+        if not self.ran:
+            return f"probe: not run: {self.reason}"
+        where = f"from {self.origin}" if self.origin else "from a fresh start"
+        tried = "; ".join(t.words() for t in self.trials)
+        if self.chosen is None:
+            verdict = "nothing tried held: the advice below is not known to work"
+        else:
+            verdict = f"recommended: {self.chosen.words().split(':')[0]}"
+        return f"probe ({self.steps} steps {where}, {self.data}): {tried}. {verdict}"
+
+
+def _probe_config(
+    cfg: Any, overrides: list[str], steps_from: int, trust_code: bool, device: str
+) -> tuple[Any, str]:
+    from ampctl.config import config_from_saved, with_changes
+
+    run = config_from_saved(cfg.to_dict(), overrides, source="the probe", trust_code=trust_code)
+    patience = int(run.guard.divergence_patience)
+    steps = PATIENCES * patience * PROBE_EVERY
+    d = run.data
+    label = "the run's data"
+    named = [v for v in (d.path, d.tokenizer, d.cache_dir) if v]
+    if d.kind != "synthetic" and not trust_code:
+        vocab = getattr(run.model, "vocab_size", None) or d.vocab_size
+        run = with_changes(
+            run,
+            data={"kind": "synthetic", "path": None, "tokenizer": None, "vocab_size": vocab},
+        )
+        label = "synthetic batches of the run's shape (no path the checkpoint names is opened)"
+    elif named:
+        label += " (opened as --trust-code allows)"
+    run = with_changes(
+        run,
+        trainer={
+            "stop_at": min(steps_from + steps, run.trainer.max_steps),
+            "log_every": PROBE_EVERY,
+            "ckpt_every": 10**9,
+            "device": device,
+            "compile": False,
+        },
+        logging={
+            "tensorboard": False,
+            "mlflow": False,
+            "wandb": False,
+            "plot": False,
+            "act_grads": False,
+        },
+    )
+    return run, label
+
+
+def _trial(run_cfg: Any, ck: dict[str, Any] | None, lr: float | None) -> Trial:
+    from ampctl.protect.advice import ABOVE_START
+    from ampctl.runlog import RunLayout
+    from ampctl.runlog.readers import iter_jsonl
+    from ampctl.train.trainer import Trainer
+
+    tmp = Path(tempfile.mkdtemp(prefix="ampctl-probe-"))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            (tmp / "run").mkdir()
+            tr = Trainer(run_cfg, tmp / "run", resume=ck)
+            res = tr.run()
+        rows = [r for r in iter_jsonl(RunLayout(tmp / "run").metrics) if "loss" in r]
+        losses = [r["loss"] for r in rows if isinstance(r.get("loss"), int | float)]
+        start = tr.protection.divergence.start
+        first = start if start is not None and math.isfinite(start) else None
+        if first is None and losses:
+            first = losses[0]
+        finite = bool(losses) and all(math.isfinite(x) for x in losses)
+        third = max(1, len(losses) // 3)
+        # the level it reached: the mean of its last third of rows (one row of 2 steps is noise)
+        last = sum(losses[-third:]) / third if finite else (losses[-1] if losses else None)
+        middle = losses[-2 * third : -third] if len(losses) >= 2 * third + 1 else []
+        still_falling = not middle or last < sum(middle) / len(middle)
+        held = (
+            res.status == "ok"
+            and finite
+            and first is not None
+            and last is not None
+            and last <= ABOVE_START * first
+            and still_falling  # a loss that stalled high has an lr too high to go on at
+        )
+        return Trial(lr, res.status, first, last, len(rows) * PROBE_EVERY, held)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def probe_advice(
+    *,
+    fmt: str,
+    cfg: Any | None,
+    cfg_reason: str | None,
+    resume: str | None,
+    overrides: list[str],
+    ladder: list[float],
+    trust_code: bool,
+    device: torch.device,
+    budget_s: float = BUDGET_S,
+) -> ProbeOutcome:
+    """Probe ``overrides`` (the recommended changes; ``optim.lr`` replaced by each rung of
+    ``ladder`` in turn, highest first) from ``resume`` (a checkpoint path; None: a fresh start).
+    Goes down the ladder until a rung that held is followed by one that holds no better (or not
+    at all), within ``budget_s`` and :data:`MAX_TRIALS`. **Syncs** (it trains)."""
+    from ampctl.config import ConfigError
+    from ampctl.errors import UsageError, first_line
+    from ampctl.protect.advice import fmt_lr
+    from ampctl.train.checkpoint import load_checkpoint
+
+    if fmt != "ampctl":
+        return ProbeOutcome(
+            False,
+            f"a {fmt} checkpoint: the probe reruns ampctl's own training loop from the "
+            "checkpoint, and this run's loop, data and optimizer setup are your code, so the "
+            "advice is not tried (an ampctl train run's is)",
+        )
+    if cfg is None:
+        return ProbeOutcome(False, cfg_reason or "the run's config cannot be rebuilt")
+    ck = None
+    base = cfg
+    if resume is not None:
+        try:
+            ck = load_checkpoint(Path(resume))
+        except (UsageError, OSError, RuntimeError, ValueError) as e:
+            return ProbeOutcome(False, f"the checkpoint {resume} cannot be loaded: {first_line(e)}")
+        ck.pop("path", None)  # the probe's run folder is its own: nothing is set aside
+    steps_from = int(ck["step"]) if ck is not None else 0
+    rest = [o for o in overrides if not o.startswith("optim.lr=")]
+    rungs: list[float | None] = list(ladder[:MAX_TRIALS]) or [None]
+    out = ProbeOutcome(True, origin=resume)
+    t0 = time.perf_counter()
+    for lr in rungs:
+        if time.perf_counter() - t0 > budget_s:
+            break
+        ov = [*rest, *([f"optim.lr={fmt_lr(lr)}"] if lr is not None else [])]
+        try:
+            run_cfg, out.data = _probe_config(base, ov, steps_from, trust_code, str(device))
+            out.steps = run_cfg.trainer.stop_at - steps_from
+            trial = _trial(run_cfg, ck, float(fmt_lr(lr)) if lr is not None else None)
+        except (UsageError, ConfigError, RuntimeError, ValueError, KeyError) as e:
+            return ProbeOutcome(False, f"the probe could not be built: {first_line(e)}")
+        best = min((t.last for t in out.trials if t.held), default=None)
+        out.trials.append(trial)
+        if best is not None and (not trial.held or trial.last >= best):
+            break  # down the ladder while each rung holds better than the one above
+    held = [t for t in out.trials if t.held]
+    out.chosen = min(held, key=lambda t: t.last) if held else None
+    return out
