@@ -50,12 +50,15 @@ def test_hf_planted_nan_weight_and_inf_moment_are_named(hf_dirs):
     (bad,) = rep["state"]["optimizer"]["bad"]
     assert (bad["param"], bad["key"], bad["posinf"]) == (HF_NAME, "exp_avg_sq", 1)
     healthy = str(hf_dirs["nan"] / "checkpoint-2")
+    probe = rep["resume"].pop("probe")
     assert rep["resume"] == {
         "checkpoint": healthy,
         "command": f'trainer.train(resume_from_checkpoint="{healthy}")',
         "why": "the newest checkpoint with a healthy state written before this checkpoint, "
         "whose own state is broken",
     }
+    # the advice is not tried on a loop ampctl cannot rerun, and says so
+    assert probe.startswith("probe: not run: a hf-trainer checkpoint: the probe reruns ampctl's")
     # an fp32 Trainer run (no scaler) applied a non-finite update: skip such steps, in its terms
     (fix,) = rep["recommendations"]
     assert fix["override"] == "guard.enabled=true"
