@@ -135,8 +135,12 @@ def lock_run(folder: str | Path, *, what: str = "run folder", hint: str = "") ->
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            try:
-                owner = _owner_text(os.pread(fd, 4096, 0).decode(errors="replace"))
+            try:  # the owner writes its pid just after its flock: give it a moment to
+                for _wait in range(20):
+                    owner = _owner_text(os.pread(fd, 4096, 0).decode(errors="replace"))
+                    if owner:
+                        break
+                    time.sleep(0.01)
             finally:
                 os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
