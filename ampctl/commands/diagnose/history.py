@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ampctl.amp import records as rec
-from ampctl.runlog import RunLayout, as_number, list_branches, read_json, read_jsonl
+from ampctl.runlog import RunLayout, as_number, list_branches, read_json
 from ampctl.runlog.readers import iter_jsonl
 
 from .common import EXPLOSION_FACTOR, TREND_ROWS, finite
@@ -251,8 +251,15 @@ def _records(
             if keep(r):
                 count += 1
                 _add_row(keeper, r)
-        evs = read_jsonl(layout.events)
-        events += [e for e in evs.rows if keep(e) and not (main and e.get("kind") == "branch")]
+        evs = iter_jsonl(layout.events)  # streamed: only events (a kind) are kept, so a file
+        # of `{}` lines costs no memory
+        events += [
+            e
+            for e in evs
+            if isinstance(e.get("kind"), str)
+            and keep(e)
+            and not (main and e.get("kind") == "branch")
+        ]
         files = [(stream, layout.metrics), (evs, layout.events)] + files  # the run's own first
     # lines skipped are a note; a whole file that could not be read is named as unreadable
     notes = [n for rows, path in files if rows.error is None and (n := rows.note(path))]

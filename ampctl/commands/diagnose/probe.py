@@ -83,7 +83,8 @@ class ProbeOutcome:
             verdict = "nothing tried held: the advice below is not known to work"
         else:
             verdict = f"recommended: {self.chosen.words().split(':')[0]}"
-        return f"probe ({self.steps} steps {where}, {self.data}): {tried}. {verdict}"
+        n = f"{self.steps} step" + ("" if self.steps == 1 else "s")
+        return f"probe ({n} {where}, {self.data}): {tried}. {verdict}"
 
 
 def _probe_config(
