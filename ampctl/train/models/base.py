@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ampctl.errors import require_int
+
 __all__ = [
     "ATTN_IMPLS",
     "IGNORE_INDEX",
@@ -67,14 +69,6 @@ class MaskedLMOutput:
     def items(self) -> Iterator[tuple[str, Tensor]]:
         """``(name, tensor)`` pairs of the fields that are not ``None``."""
         return ((k, self[k]) for k in self.keys())
-
-
-def require_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
-    return value
 
 
 def require_float(name: str, value: Any, *, low: float, high: float | None = None) -> float:
