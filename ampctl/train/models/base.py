@@ -1,8 +1,8 @@
 """What the models that ship with ampctl share (BERT, GPT-2, Llama).
 
 * :class:`MaskedLMOutput`: ``.loss`` / ``.logits``, also readable as a mapping (HF style).
-* :func:`require_int`, :func:`require_float`: a constructor argument checked, the message
-  naming it; :func:`check_inputs`: the shapes of ``forward``'s tensors.
+* :func:`require_int` (:mod:`ampctl.errors`'s), :func:`require_float`: a constructor argument
+  checked, the message naming it; :func:`check_inputs`: the shapes of ``forward``'s tensors.
 * :class:`LanguageModel`: the sizes every model keeps, its ``attn_impl`` checked, and Hugging
   Face's normal init with the output projection tied to the token embeddings if asked.
 """
