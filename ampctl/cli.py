@@ -8,10 +8,12 @@ written; the message says how to resume).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -49,6 +51,10 @@ def _overrides_help() -> str:
 
 
 OVERRIDES_HELP = _overrides_help()
+Overrides = Annotated[list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)]
+ConfigDir = Annotated[
+    Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
+]
 
 _DEBUG = {"on": False}
 
@@ -67,6 +73,19 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return (UsageError, DataError)
 
 
+@contextlib.contextmanager
+def _bad_input(on_message: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Bad input raised in the block: its first line on stderr (``on_message`` told first), exit
+    code 2. (The error classes are imported only when something is raised.)"""
+    try:
+        yield
+    except _input_errors() as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if on_message is not None:
+            on_message(message)
+        _fail(message)
+
+
 def _at_least(option: str, value: int | None, minimum: int) -> None:
     if value is not None and value < minimum:
         _fail(f"{option} {value}: must be an integer >= {minimum}")
@@ -81,9 +100,7 @@ def _root(
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    overrides: Annotated[
-        list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)
-    ] = None,
+    overrides: Overrides = None,
     config_dir: Annotated[
         Path | None,
         typer.Option(
@@ -130,17 +147,16 @@ def train(
     from ampctl.commands.train import run_train
 
     try:
-        code = run_train(
-            overrides=list(overrides or []),
-            config_dir=config_dir,
-            name=name,
-            resume=resume,
-            trust_code=trust_code,
-            print_config=print_config,
-            mode="quiet" if quiet else ("plain" if plain else "auto"),
-        )
-    except _input_errors() as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        with _bad_input():
+            code = run_train(
+                overrides=list(overrides or []),
+                config_dir=config_dir,
+                name=name,
+                resume=resume,
+                trust_code=trust_code,
+                print_config=print_config,
+                mode="quiet" if quiet else ("plain" if plain else "auto"),
+            )
     except OSError as e:  # a write outside the loop (config.yaml, a resume's trim): exit 1
         from ampctl.commands.train import write_failure
 
@@ -199,9 +215,7 @@ def sweep_scale(
             "continues interrupted ones.",
         ),
     ] = None,
-    config_dir: Annotated[
-        Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
-    ] = None,
+    config_dir: ConfigDir = None,
     launcher: Annotated[
         str,
         typer.Option(
@@ -262,7 +276,7 @@ def sweep_scale(
     _at_least("--jobs", jobs, 1)
     _at_least("--halving", halving, 2)
 
-    try:
+    with _bad_input():
         code = run_sweep(
             overrides=list(overrides or []),
             steps=steps,
@@ -282,8 +296,6 @@ def sweep_scale(
                 slurm_params=tuple(slurm_param or ()),
             ),
         )
-    except _input_errors() as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
 
 
@@ -376,7 +388,7 @@ def diagnose(
     from ampctl.errors import UsageError
     from ampctl.trust import parse_size
 
-    try:
+    with _bad_input(json_error if as_json else None):  # --json: a JSON document on every exit
         if batches < 1:
             raise UsageError(f"--batches {batches}: must be an integer >= 1")
         code = run_diagnose(
@@ -391,19 +403,12 @@ def diagnose(
             max_memory=parse_size(max_memory) if max_memory is not None else None,
             probe=not no_probe,
         )
-    except _input_errors() as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if as_json:  # --json prints a JSON document on every exit
-            json_error(message)
-        _fail(message)
     raise typer.Exit(code)
 
 
 @app.command()
 def bench(
-    overrides: Annotated[
-        list[str] | None, typer.Argument(help=OVERRIDES_HELP, show_default=False)
-    ] = None,
+    overrides: Overrides = None,
     steps: Annotated[
         int,
         typer.Option(
@@ -414,9 +419,7 @@ def bench(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the figures as JSON (overhead.ratio, ...).")
     ] = False,
-    config_dir: Annotated[
-        Path | None, typer.Option("--config-dir", help="Your own configs; searched first.")
-    ] = None,
+    config_dir: ConfigDir = None,
     sizes: Annotated[
         bool,
         typer.Option(
@@ -435,7 +438,7 @@ def bench(
 
     _at_least("--steps", steps, 2)
 
-    try:
+    with _bad_input():
         code = run_bench(
             overrides=list(overrides or []),
             steps=steps,
@@ -443,8 +446,6 @@ def bench(
             config_dir=config_dir,
             sizes=sizes,
         )
-    except _input_errors() as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
 
 
@@ -471,10 +472,8 @@ def plot(
     A sweep: heat map and scale trajectories."""
     from ampctl.commands.plot import run_plot
 
-    try:
+    with _bad_input():
         code = run_plot(path=path, out=out, baseline=baseline)
-    except _input_errors() as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise typer.Exit(code)
 
 
@@ -517,7 +516,7 @@ def tokenizer_train(
     """
     from ampctl.tokenizer import train_tokenizer
 
-    try:
+    with _bad_input():
         res = train_tokenizer(
             path,
             out,
@@ -526,8 +525,6 @@ def tokenizer_train(
             text_field=text_field,
             format=fmt,
         )
-    except _input_errors() as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     typer.echo(
         f"trained a byte-level BPE tokenizer: {res.vocab_size} tokens from {res.documents} "
         f"documents ({res.characters / 1e6:.2f}M characters) in {res.seconds:.1f} s -> "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "ConfigError", "BuildError", "first_line"]
+from typing import Any
+
+__all__ = ["UsageError", "ConfigError", "BuildError", "first_line", "require_int"]
 
 
 class UsageError(ValueError):
@@ -25,3 +27,12 @@ def first_line(e: BaseException | str) -> str:
     if text:
         return text.splitlines()[0]
     return type(e).__name__ if isinstance(e, BaseException) else ""
+
+
+def require_int(name: str, value: Any, minimum: int, error: type[ValueError] = ValueError) -> int:
+    """``value`` when it is an int (not a bool) >= ``minimum``; else ``error`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise error(f"{name} ({value}) must be >= {minimum}")
+    return value

@@ -68,6 +68,7 @@ __all__ = [
     "human_size",
     "memory_limit",
     "max_memory",
+    "context_value",
     "check_memory",
     "torch_file_sizes",
     "torch_file_layout",
@@ -362,13 +363,19 @@ _MAX_MEMORY: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def max_memory(limit: int | None) -> Iterator[None]:
-    """Within the block, :func:`memory_limit` is ``limit`` (bytes; None: the default)."""
-    token = _MAX_MEMORY.set(limit)
+def context_value(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """Within the block, ``var`` is ``value`` (in this context: a thread or task of its own
+    keeps its own)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _MAX_MEMORY.reset(token)
+        var.reset(token)
+
+
+def max_memory(limit: int | None) -> contextlib.AbstractContextManager[None]:
+    """Within the block, :func:`memory_limit` is ``limit`` (bytes; None: the default)."""
+    return context_value(_MAX_MEMORY, limit)
 
 
 def _proc_kib(path: str, key: str) -> int | None:

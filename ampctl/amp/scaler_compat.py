@@ -52,13 +52,17 @@ class GradScalerPrivates:
     _enabled: bool
     _device_type: str | None
 
+    def _absent_when_disabled(self, name: str) -> None:
+        """GradScaler's state attributes do not exist on a disabled scaler."""
+        if not self._enabled:
+            raise AttributeError(f"'LossScaler' object has no attribute '{name}' (disabled)")
+
     @property
     def _scale(self) -> torch.Tensor | None:
         """GradScaler's scale tensor: the live 0-dim float32 scale on the device (None before
         the first ``scale()``); assigning it or changing it in place sets the scale. Absent
         when disabled, as in GradScaler (``hasattr(scaler, "_scale")`` is False). No host read."""
-        if not self._enabled:
-            raise AttributeError("'LossScaler' object has no attribute '_scale' (disabled)")
+        self._absent_when_disabled("_scale")
         return None if self._t is None else self._t["scale"]
 
     @_scale.setter
@@ -69,10 +73,7 @@ class GradScalerPrivates:
     def _growth_tracker(self) -> torch.Tensor | None:
         """GradScaler's growth tracker: the live int32 count of consecutive clean steps (None
         before the first ``scale()``; absent when disabled). No host read."""
-        if not self._enabled:
-            raise AttributeError(
-                "'LossScaler' object has no attribute '_growth_tracker' (disabled)"
-            )
+        self._absent_when_disabled("_growth_tracker")
         return None if self._t is None else self._t["growth_tracker"]
 
     @_growth_tracker.setter
@@ -83,8 +84,7 @@ class GradScalerPrivates:
     def _init_scale(self) -> float:
         """The scale the device state starts from (GradScaler's meaning: set by the
         constructor, ``load_state_dict`` and unpickling). Absent when disabled."""
-        if not self._enabled:
-            raise AttributeError("'LossScaler' object has no attribute '_init_scale' (disabled)")
+        self._absent_when_disabled("_init_scale")
         return self._init["scale"]
 
     @_init_scale.setter
@@ -94,10 +94,7 @@ class GradScalerPrivates:
     @property
     def _init_growth_tracker(self) -> int:
         """The growth tracker the device state starts from. Absent when disabled."""
-        if not self._enabled:
-            raise AttributeError(
-                "'LossScaler' object has no attribute '_init_growth_tracker' (disabled)"
-            )
+        self._absent_when_disabled("_init_growth_tracker")
         return self._init["growth_tracker"]
 
     @_init_growth_tracker.setter

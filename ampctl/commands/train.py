@@ -229,32 +229,18 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
             trainer.log.artifact(got)
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
-    then = (f"; {note}" if note else "") + (f": {hint}" if hint else "")
+    then, markup = (f"; {note}" if note else "") + (f": {hint}" if hint else ""), True
     if result.status == "diverged":
-        console.print(
-            "[red]Training stopped: the loss diverged[/red] (see the divergence event in "
-            f"events.jsonl){escape(then)}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        line = "[red]Training stopped: the loss diverged[/red] (see the divergence event in "
+        line += f"events.jsonl){escape(then)}"
     elif result.status == "aborted":
-        console.print(
-            f"[red]Training aborted by the overflow guard[/red] (see events.jsonl){escape(then)}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        line = f"[red]Training aborted by the overflow guard[/red] (see events.jsonl){escape(then)}"
     elif result.status == "failed" or summary.get("summary_error"):
         # the failure as written: install hints hold "[extra]"
         what = "Training stopped" if result.status == "failed" else "Run folder incomplete"
-        console.print(
-            f"[red]{what}:[/red] {escape(str(trainer.failure))}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        line = f"[red]{what}:[/red] {escape(str(trainer.failure))}"
     elif result.status == "interrupted":
-        console.print(
-            f"Interrupted. Resume with: {hint}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
+        line, markup = f"Interrupted. Resume with: {hint}", False
+    else:
+        return
+    console.print(line, markup=markup, highlight=False, soft_wrap=True)

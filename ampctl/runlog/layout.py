@@ -5,11 +5,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["RunLayout", "is_run_dir", "CHECKPOINT_NAME"]
 
 #: ``checkpoints/step_00000100.pt``: eight or more digits of the step.
 CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})\.pt\Z")
+
+
+class _In:
+    """A file or folder of the run folder: ``layout.<attribute>`` is ``layout.root / name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout: RunLayout | None, owner: type | None = None) -> Any:
+        return self if layout is None else layout.root / self.name
 
 
 @dataclass(frozen=True)
@@ -32,45 +43,16 @@ class RunLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
 
-    @property
-    def config(self) -> Path:
-        return self.root / self.CONFIG
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / self.METRICS
-
-    @property
-    def events(self) -> Path:
-        return self.root / self.EVENTS
-
-    @property
-    def summary(self) -> Path:
-        return self.root / self.SUMMARY
-
-    @property
-    def plot(self) -> Path:
-        return self.root / self.PLOT
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        return self.root / self.CHECKPOINTS
-
-    @property
-    def branches_dir(self) -> Path:
-        return self.root / self.BRANCHES
-
-    @property
-    def branch_info(self) -> Path:
-        return self.root / self.BRANCH
-
-    @property
-    def parent(self) -> Path:
-        return self.root / self.PARENT
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / self.TENSORBOARD
+    config = _In(CONFIG)
+    metrics = _In(METRICS)
+    events = _In(EVENTS)
+    summary = _In(SUMMARY)
+    plot = _In(PLOT)
+    checkpoints_dir = _In(CHECKPOINTS)
+    branches_dir = _In(BRANCHES)
+    branch_info = _In(BRANCH)
+    parent = _In(PARENT)
+    tensorboard = _In(TENSORBOARD)
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / f"step_{int(step):08d}.pt"

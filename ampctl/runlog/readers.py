@@ -240,6 +240,25 @@ class _Chars:
     def where(self) -> str:
         return f"character {self.dropped + self.pos + 1}"
 
+    def opens(self, close: str) -> bool:
+        """Past an opening bracket: whether there is an item before ``close`` (else past it)."""
+        self.pos += 1
+        if self.peek() == close:
+            self.pos += 1
+            return False
+        return True
+
+    def ends(self, close: str) -> bool:
+        """Past the ',' after an item (False) or past ``close`` (True); anything else is not
+        JSON."""
+        nxt = self.peek()
+        self.pos += 1
+        if nxt == close:
+            return True
+        if nxt != ",":
+            raise _Invalid(f"',' or '{close}' expected at {self.where()}")
+        return False
+
     def value(self, limit: int, decoder: json.JSONDecoder) -> tuple[bool, Any]:
         """The next JSON value: ``(True, value)``, or ``(False, why)`` for one longer than
         ``limit`` characters or nested too deeply (skipped, never held whole). Raises
@@ -375,10 +394,7 @@ class JsonArrayStream:
             else:
                 self.error = f"is not valid JSON (no object at {c.where()})"
             return
-        c.pos += 1
-        if c.peek() == "}":
-            c.pos += 1
-        else:
+        if c.opens("}"):
             while True:
                 if c.peek() != '"':
                     raise _Invalid(f"a key expected at {c.where()}")
@@ -397,18 +413,12 @@ class JsonArrayStream:
                         self.top[name] = v
                     elif not ok:
                         self.skipped_keys.append((name, v))
-                nxt = c.peek()
-                c.pos += 1
-                if nxt == "}":
+                if c.ends("}"):
                     break
-                if nxt != ",":
-                    raise _Invalid(f"',' or '}}' expected at {c.where()}")
         self.trailing = c.peek() != ""
 
     def _array(self, c: _Chars, dec: json.JSONDecoder) -> Iterator[Any]:
-        c.pos += 1
-        if c.peek() == "]":
-            c.pos += 1
+        if not c.opens("]"):
             return
         while True:
             self.entries += 1
@@ -420,12 +430,8 @@ class JsonArrayStream:
                 self.bad_why = self.bad_why or v
                 if len(self.bad_entries) < self.KEPT_BAD:
                     self.bad_entries.append(self.entries)
-            nxt = c.peek()
-            c.pos += 1
-            if nxt == "]":
+            if c.ends("]"):
                 return
-            if nxt != ",":
-                raise _Invalid(f"',' or ']' expected at {c.where()}")
 
     def note(self) -> str | None:
         """One line about the entries and keys that were skipped, or None."""

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampctl.errors import require_int
+
 __all__ = [
     "PAD_ID",
     "CLS_ID",
@@ -57,8 +59,6 @@ __all__ = [
     "encode",
     "decode",
     "apply_mlm_masking",
-    "check_int",
-    "check_source_args",
 ]
 
 PAD_ID = 0
@@ -122,42 +122,6 @@ def _generator(*parts: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(_derive_seed(*parts))
     return gen
-
-
-# ------------------------------------------------------------------------ checks
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DataError(f"data.{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise DataError(f"data.{name} ({value}) must be >= {minimum}")
-    return value
-
-
-def check_source_args(
-    seq_len: Any,
-    batch_size: Any,
-    seed: Any,
-    mask_prob: Any,
-    rank: Any,
-    world_size: Any,
-    objective: Any = "mlm",
-) -> None:
-    if objective not in OBJECTIVES:
-        raise DataError(f"data.objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
-    check_int("seq_len", seq_len, 2)
-    check_int("batch_size", batch_size, 1)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise DataError(f"data.seed must be an int, got {seed!r}")
-    if isinstance(mask_prob, bool) or not isinstance(mask_prob, int | float):
-        raise DataError(f"data.mask_prob must be a float in (0, 1], got {mask_prob!r}")
-    if not 0.0 < mask_prob <= 1.0:
-        raise DataError(f"data.mask_prob ({mask_prob}) must be in (0, 1]")
-    check_int("world_size", world_size, 1)
-    check_int("rank", rank, 0)
-    if rank >= world_size:
-        raise DataError(f"data.rank ({rank}) must be < data.world_size ({world_size})")
 
 
 # ----------------------------------------------------------------------- masking
@@ -227,8 +191,9 @@ class TokenSource(ABC):
     """Infinite, resumable, rank-sharded stream of language-model batches.
 
     Subclasses provide :meth:`_tokens`, the unmasked token ids of a global batch;
-    this base class applies the objective (masking for ``"mlm"``, none for
-    ``"causal"``) and keeps the position.
+    this base class checks the arguments every source takes (a :class:`DataError` naming
+    the key), applies the objective (masking for ``"mlm"``, none for ``"causal"``) and
+    keeps the position.
     """
 
     vocab_size: int
@@ -239,7 +204,6 @@ class TokenSource(ABC):
 
     def __init__(
         self,
-        *,
         vocab_size: int,
         seq_len: int,
         batch_size: int,
@@ -249,6 +213,22 @@ class TokenSource(ABC):
         world_size: int,
         objective: str = "mlm",
     ) -> None:
+        if objective not in OBJECTIVES:
+            raise DataError(
+                f"data.objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}"
+            )
+        require_int("data.seq_len", seq_len, 2, DataError)
+        require_int("data.batch_size", batch_size, 1, DataError)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise DataError(f"data.seed must be an int, got {seed!r}")
+        if isinstance(mask_prob, bool) or not isinstance(mask_prob, int | float):
+            raise DataError(f"data.mask_prob must be a float in (0, 1], got {mask_prob!r}")
+        if not 0.0 < mask_prob <= 1.0:
+            raise DataError(f"data.mask_prob ({mask_prob}) must be in (0, 1]")
+        require_int("data.world_size", world_size, 1, DataError)
+        require_int("data.rank", rank, 0, DataError)
+        if rank >= world_size:
+            raise DataError(f"data.rank ({rank}) must be < data.world_size ({world_size})")
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -369,14 +349,13 @@ class SyntheticSource(TokenSource):
         world_size: int = 1,
         objective: str = "mlm",
     ) -> None:
-        common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, mask_prob=mask_prob,
-                      rank=rank, world_size=world_size, objective=objective)  # fmt: skip
-        check_source_args(**common)
-        check_int("branching", branching, 1)
+        super().__init__(
+            vocab_size, seq_len, batch_size, seed, mask_prob, rank, world_size, objective
+        )
+        require_int("data.branching", branching, 1, DataError)
         if branching > MAX_BRANCHING:
             raise DataError(f"data.branching ({branching}) must be <= {MAX_BRANCHING}")
-        check_int("vocab_size", vocab_size, FIRST_ORDINARY_ID + branching)
-        super().__init__(vocab_size=vocab_size, **common)
+        require_int("data.vocab_size", vocab_size, FIRST_ORDINARY_ID + branching, DataError)
         self.branching = branching
         slot_table, self._start_cdf = self._draw_chain()
         # The slot table followed by the identity, for noise transitions.
@@ -602,12 +581,11 @@ class TextSource(PackedSource):
         world_size: int = 1,
         objective: str = "mlm",
     ) -> None:
-        common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, mask_prob=mask_prob,
-                      rank=rank, world_size=world_size, objective=objective)  # fmt: skip
-        check_source_args(**common)
+        super().__init__(
+            self.VOCAB_SIZE, seq_len, batch_size, seed, mask_prob, rank, world_size, objective
+        )
         if not isinstance(path, str | Path):
             raise DataError(f"data.path must be a file or directory path, got {path!r}")
-        super().__init__(vocab_size=self.VOCAB_SIZE, **common)
         self.path = Path(path)
         self._set_stream(_read_corpus(self.path), CLS_ID)
         if self.num_windows == 0:

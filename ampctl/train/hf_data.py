@@ -40,6 +40,7 @@ the special tokens the objective needs, a tokenizer vocabulary larger than
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import importlib
@@ -54,14 +55,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampctl.errors import require_int
 from ampctl.files import open_append, write_file, write_text
-from ampctl.train.data import (
-    DataError,
-    PackedSource,
-    apply_mlm_masking,
-    check_int,
-    check_source_args,
-)
+from ampctl.train.data import DataError, PackedSource, apply_mlm_masking
 
 __all__ = [
     "FORMATS",
@@ -545,16 +541,15 @@ class HFSource(PackedSource):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, mask_prob=mask_prob,
-                      rank=rank, world_size=world_size, objective=objective)  # fmt: skip
-        check_source_args(**common)
-        check_int("vocab_size", vocab_size, 1)
+        super().__init__(
+            vocab_size, seq_len, batch_size, seed, mask_prob, rank, world_size, objective
+        )
+        require_int("data.vocab_size", vocab_size, 1, DataError)
         for name, value in (("path", path), ("tokenizer", tokenizer)):
             if not isinstance(value, str | Path) or not str(value):
                 raise DataError(f"data.{name} must be a path, got {value!r}")
         if not isinstance(text_field, str) or not text_field:
             raise DataError(f"data.text_field must be a column name, got {text_field!r}")
-        super().__init__(vocab_size=vocab_size, **common)
         self.pad_id = -1  # packed: no padding anywhere
         fmt, files = resolve_dataset(path, format)
         tok = load_tokenizer(tokenizer)
@@ -596,7 +591,8 @@ class HFSource(PackedSource):
         key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:24]
         root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.cache_path = root / "tokenized" / key
-        stream, meta = self._cached_stream(key, key_data, fmt, files, text_field, split, path)
+        texts = functools.partial(iter_texts, fmt, files, text_field, split)
+        stream, meta = self._cached_stream(key, key_data, texts, path, text_field)
         self.num_documents = int(meta["documents"])
         self._set_stream(stream, prefix)
         if self.num_windows == 0:
@@ -609,12 +605,12 @@ class HFSource(PackedSource):
         self,
         key: str,
         key_data: dict[str, Any],
-        fmt: str,
-        files: list[Path],
-        text_field: str,
-        split: str,
+        texts: Callable[[], Iterator[list[str]]],
         path: Any,
+        text_field: str,
     ) -> tuple[Tensor, dict[str, Any]]:
+        """The token stream of the cache entry ``key``, tokenized from ``texts()`` (batches of
+        documents) first when the cache has no such entry."""
         folder = self.cache_path
         meta = _read_meta(folder, key)
         self.cache_hit = meta is not None
@@ -629,7 +625,7 @@ class HFSource(PackedSource):
                 meta = _read_meta(folder, key)  # another rank may have written it meanwhile
                 self.cache_hit = meta is not None
                 if meta is None:
-                    meta = self._tokenize(folder, key, key_data, fmt, files, text_field, split)
+                    meta = self._tokenize(folder, key, key_data, texts)
         if meta["tokens"] == 0:
             raise DataError(
                 f"data.path '{path}' holds no text (field '{text_field}'): nothing to train on"
@@ -644,15 +640,11 @@ class HFSource(PackedSource):
         folder: Path,
         key: str,
         key_data: dict[str, Any],
-        fmt: str,
-        files: list[Path],
-        text_field: str,
-        split: str,
+        texts: Callable[[], Iterator[list[str]]],
     ) -> dict[str, Any]:
         t0 = time.perf_counter()
-        texts = iter_texts(fmt, files, text_field, split)
         n_tokens, n_docs = _write_stream(
-            folder / "tokens.bin", texts, self.tokenizer, self.separator_id
+            folder / "tokens.bin", texts(), self.tokenizer, self.separator_id
         )
         meta = {
             "key": key,

@@ -27,6 +27,7 @@ import torch
 
 from ampctl.amp import records as rec
 from ampctl.amp.formats import FP16_MAX, dtype_max
+from ampctl.trust import context_value
 
 from .common import RECENT_WINDOW, finite
 from .readers.base import Found
@@ -156,14 +157,9 @@ _PROGRESS: contextvars.ContextVar[ReadProgress | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def read_progress(progress: ReadProgress | None) -> Iterator[None]:
+def read_progress(progress: ReadProgress | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, :func:`state_health` reports its reads to ``progress``."""
-    token = _PROGRESS.set(progress)
-    try:
-        yield
-    finally:
-        _PROGRESS.reset(token)
+    return context_value(_PROGRESS, progress)
 
 
 #: ``(name, source, param, key, limit)``: one tensor to check, its source read when checked

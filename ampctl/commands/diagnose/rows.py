@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .stages import Row
 
@@ -53,19 +53,48 @@ def _fin(x: float | None) -> bool:
 
 
 @dataclass
+class _Mean:
+    """One figure of merged rows: the mean of its finite values, or its first non-finite one
+    (never averaged away)."""
+
+    total: float = 0.0
+    n: int = 0
+    bad: float | None = None
+
+    def add(self, x: float | None) -> bool:
+        """Take ``x`` (None: not logged); True when it is the first non-finite value."""
+        if x is None:
+            return False
+        if math.isfinite(x):
+            self.total += x
+            self.n += 1
+            return False
+        if self.bad is not None:
+            return False
+        self.bad = x
+        return True
+
+    def merge(self, o: _Mean) -> None:
+        self.total += o.total
+        self.n += o.n
+        self.bad = self.bad if self.bad is not None else o.bad
+
+    def value(self) -> float | None:
+        if self.bad is not None:
+            return self.bad
+        return self.total / self.n if self.n else None
+
+
+@dataclass
 class _Merged:
     """Rows merged into one (see the module docstring)."""
 
     step: int
     last: int
     n: int = 0
-    loss_sum: float = 0.0
-    loss_n: int = 0
-    loss_bad: float | None = None
+    loss: _Mean = field(default_factory=_Mean)
+    gn: _Mean = field(default_factory=_Mean)
     bad_step: int | None = None  # the first row with a non-finite loss or grad norm
-    gn_sum: float = 0.0
-    gn_n: int = 0
-    gn_bad: float | None = None
     amax: float | None = None
     lr: float | None = None
     scale: float | None = None
@@ -80,20 +109,9 @@ class _Merged:
     def add(self, r: Row) -> None:
         self.n += 1
         self.last = r.step
-        if r.loss is not None:
-            if math.isfinite(r.loss):
-                self.loss_sum += r.loss
-                self.loss_n += 1
-            elif self.loss_bad is None:
-                self.loss_bad = r.loss
-                self.bad_step = r.step if self.bad_step is None else self.bad_step
-        if r.grad_norm is not None:
-            if math.isfinite(r.grad_norm):
-                self.gn_sum += r.grad_norm
-                self.gn_n += 1
-            elif self.gn_bad is None:
-                self.gn_bad = r.grad_norm
-                self.bad_step = r.step if self.bad_step is None else self.bad_step
+        for mean, x in ((self.loss, r.loss), (self.gn, r.grad_norm)):
+            if mean.add(x) and self.bad_step is None:
+                self.bad_step = r.step
         self.amax = _larger(self.amax, r.grad_amax)
         self.lr = _larger(self.lr, r.learning_rate)
         if r.scale is not None:
@@ -104,12 +122,8 @@ class _Merged:
     def merge(self, o: _Merged) -> None:
         self.n += o.n
         self.last = o.last
-        self.loss_sum += o.loss_sum
-        self.loss_n += o.loss_n
-        self.loss_bad = self.loss_bad if self.loss_bad is not None else o.loss_bad
-        self.gn_sum += o.gn_sum
-        self.gn_n += o.gn_n
-        self.gn_bad = self.gn_bad if self.gn_bad is not None else o.gn_bad
+        self.loss.merge(o.loss)
+        self.gn.merge(o.gn)
         self.bad_step = self.bad_step if self.bad_step is not None else o.bad_step
         self.amax = _larger(self.amax, o.amax)
         self.lr = _larger(self.lr, o.lr)
@@ -117,20 +131,12 @@ class _Merged:
         self.skipped = o.skipped if o.skipped is not None else self.skipped
 
     def row(self) -> Row:
-        if self.loss_bad is not None:
-            loss = self.loss_bad
-        else:
-            loss = self.loss_sum / self.loss_n if self.loss_n else None
-        if self.gn_bad is not None:
-            gn = self.gn_bad
-        else:
-            gn = self.gn_sum / self.gn_n if self.gn_n else None
         return Row(
             step=self.step if self.bad_step is None else self.bad_step,  # a bad value: its step
-            loss=loss,
+            loss=self.loss.value(),
             scale=self.scale,
             skipped=self.skipped,
-            grad_norm=gn,
+            grad_norm=self.gn.value(),
             grad_amax=self.amax,
             learning_rate=self.lr,
         )

@@ -157,32 +157,24 @@ def _scale_panel(ax_scale, data: RunData) -> None:
         step=True,
         marker="",
     )
-    exact = [m for m in data.skips if m.exact]
-    approx = [m for m in data.skips if not m.exact]
     counted = sorted((m for m in data.skips if m.count > 1), key=lambda m: -m.count)
-    if exact:
-        ax_scale.plot(
-            [m.step for m in exact],
-            [m.scale for m in exact],
-            linestyle="none",
-            marker="v",
-            color="tab:red",
-            markersize=6,
-            label="skipped step",
-            gid="skips",
-        )
-    if approx:
-        ax_scale.plot(
-            [m.step for m in approx],
-            [m.scale for m in approx],
-            linestyle="none",
-            marker="v",
-            markerfacecolor="none",
-            color="tab:red",
-            markersize=7,
-            label="skips in log interval (count)",
-            gid="skips-interval",
-        )
+    for exact, label, gid in (
+        (True, "skipped step", "skips"),
+        (False, "skips in log interval (count)", "skips-interval"),  # hollow, larger
+    ):
+        marks = [m for m in data.skips if m.exact == exact]
+        if marks:
+            ax_scale.plot(
+                [m.step for m in marks],
+                [m.scale for m in marks],
+                linestyle="none",
+                marker="v",
+                markerfacecolor=None if exact else "none",
+                color="tab:red",
+                markersize=6 if exact else 7,
+                label=label,
+                gid=gid,
+            )
     for m in counted[:_MAX_COUNTS]:  # the largest counts, when there are many
         ax_scale.annotate(
             _fmt_count(m.count),

@@ -28,66 +28,24 @@ softmax itself is computed in fp32 and cast back, so fp16 scores stay accurate.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .base import (
+    ATTN_IMPLS,
+    IGNORE_INDEX,
+    LanguageModel,
+    MaskedLMOutput,
+    check_inputs,
+    require_int,
+)
+
 __all__ = ["ATTN_IMPLS", "MaskedLMOutput", "BertForMaskedLM"]
 
-#: Allowed values of ``BertForMaskedLM(attn_impl=...)``.
-ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
-
 _TYPE_VOCAB_SIZE = 2
-_INIT_STD = 0.02
-_IGNORE_INDEX = -100
-
-
-@dataclass
-class MaskedLMOutput:
-    """Result of :meth:`BertForMaskedLM.forward`.
-
-    Supports attribute access (``out.loss``) and, like Hugging Face's
-    ``ModelOutput``, mapping access (``out["loss"]``). As in HF, fields that are
-    ``None`` are not keys: ``out["loss"]`` raises ``KeyError`` when no labels
-    were given.
-    """
-
-    loss: Tensor | None
-    logits: Tensor
-
-    def keys(self) -> list[str]:
-        """Names of the fields that are not ``None``, in declaration order."""
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
-
-    def __getitem__(self, key: str) -> Tensor:
-        if key not in self.keys():
-            raise KeyError(f"{key!r} is not set in this output; set keys: {self.keys()}")
-        value: Tensor = getattr(self, key)
-        return value
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self.keys())
-
-    def items(self) -> Iterator[tuple[str, Tensor]]:
-        """``(name, tensor)`` pairs of the fields that are not ``None``."""
-        return ((k, self[k]) for k in self.keys())
-
-
-def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
 
 
 class BertEmbeddings(nn.Module):
@@ -171,19 +129,6 @@ class BertSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
 
 
-class BertSelfOutput(nn.Module):
-    """Attention output projection, dropout, residual and LayerNorm."""
-
-    def __init__(self, hidden_size: int, dropout: float, layer_norm_eps: float) -> None:
-        super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
-        self.LayerNorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, context: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dropout(self.dense(context)) + residual)
-
-
 class BertAttention(nn.Module):
     """Self-attention block: ``self`` (projections) and ``output`` (post-LN)."""
 
@@ -197,7 +142,7 @@ class BertAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.self = BertSelfAttention(hidden_size, num_heads, dropout, attn_impl)
-        self.output = BertSelfOutput(hidden_size, dropout, layer_norm_eps)
+        self.output = BertOutput(hidden_size, hidden_size, dropout, layer_norm_eps)
 
     def forward(self, hidden: Tensor, key_mask: Tensor | None) -> Tensor:
         return self.output(self.self(hidden, key_mask), hidden)
@@ -215,18 +160,19 @@ class BertIntermediate(nn.Module):
 
 
 class BertOutput(nn.Module):
-    """Feed-forward contraction, dropout, residual and LayerNorm."""
+    """Projection to the width, dropout, residual and LayerNorm: after the attention
+    (``attention.output``) and after the feed-forward (``output``)."""
 
     def __init__(
-        self, ffn_size: int, hidden_size: int, dropout: float, layer_norm_eps: float
+        self, in_size: int, hidden_size: int, dropout: float, layer_norm_eps: float
     ) -> None:
         super().__init__()
-        self.dense = nn.Linear(ffn_size, hidden_size)
+        self.dense = nn.Linear(in_size, hidden_size)
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, intermediate: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dropout(self.dense(intermediate)) + residual)
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
 
 
 class BertLayer(nn.Module):
@@ -336,7 +282,7 @@ class BertOnlyMLMHead(nn.Module):
         return self.predictions(hidden)
 
 
-class BertForMaskedLM(nn.Module):
+class BertForMaskedLM(LanguageModel):
     """BERT encoder with a masked-LM head.
 
     Args:
@@ -371,13 +317,12 @@ class BertForMaskedLM(nn.Module):
         tie_embeddings: bool = True,
         attn_impl: str = "eager",
     ) -> None:
-        super().__init__()
-        _require_int("vocab_size", vocab_size, 1)
-        _require_int("hidden_size", hidden_size, 1)
-        _require_int("num_layers", num_layers, 1)
-        _require_int("num_heads", num_heads, 1)
-        _require_int("ffn_size", ffn_size, 1)
-        _require_int("max_position", max_position, 1)
+        require_int("vocab_size", vocab_size, 1)
+        require_int("hidden_size", hidden_size, 1)
+        require_int("num_layers", num_layers, 1)
+        require_int("num_heads", num_heads, 1)
+        require_int("ffn_size", ffn_size, 1)
+        require_int("max_position", max_position, 1)
         if hidden_size % num_heads != 0:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
@@ -392,19 +337,12 @@ class BertForMaskedLM(nn.Module):
             raise ValueError(f"layer_norm_eps ({layer_norm_eps}) must be a positive finite float")
         if not isinstance(tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be a bool, got {tie_embeddings!r}")
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl ({attn_impl!r}) must be one of {', '.join(ATTN_IMPLS)}")
-
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
+        super().__init__(vocab_size, hidden_size, num_layers, max_position, attn_impl)
         self.num_heads = num_heads
         self.ffn_size = ffn_size
-        self.max_position = max_position
         self.dropout_prob = float(dropout)
         self.layer_norm_eps = float(layer_norm_eps)
         self.tie_embeddings = tie_embeddings
-        self.attn_impl = attn_impl
 
         self.bert = BertModel(
             vocab_size=vocab_size,
@@ -418,22 +356,8 @@ class BertForMaskedLM(nn.Module):
             attn_impl=attn_impl,
         )
         self.cls = BertOnlyMLMHead(vocab_size, hidden_size, layer_norm_eps)
-        self.apply(self._init_weights)
-        if tie_embeddings:
-            self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        """BERT init: N(0, 0.02) weights, zero biases, LayerNorm ones/zeros."""
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+        decoder, embeddings = self.cls.predictions.decoder, self.bert.embeddings.word_embeddings
+        self._init_and_tie(decoder, embeddings, tie_embeddings)
 
     def forward(
         self,
@@ -458,27 +382,13 @@ class BertForMaskedLM(nn.Module):
             compute dtype) and ``loss``, the mean fp32 cross entropy over the
             positions whose label is not -100 (``None`` without labels).
         """
-        if input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}"
-            )
-        seq_len = input_ids.shape[1]
-        if seq_len > self.max_position:
-            raise ValueError(
-                f"input_ids has seq_len {seq_len}, more than max_position ({self.max_position})"
-            )
-        for name, tensor in (
-            ("attention_mask", attention_mask),
-            ("token_type_ids", token_type_ids),
-            ("labels", labels),
-        ):
-            if tensor is not None and tensor.shape != input_ids.shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(tensor.shape)}, "
-                    f"expected the shape of input_ids {tuple(input_ids.shape)}"
-                )
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask.bool()
+        attention_mask = check_inputs(
+            input_ids,
+            self.max_position,
+            attention_mask,
+            token_type_ids=token_type_ids,
+            labels=labels,
+        )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
 
@@ -490,6 +400,6 @@ class BertForMaskedLM(nn.Module):
             loss = F.cross_entropy(
                 logits.float().reshape(-1, self.vocab_size),
                 labels.reshape(-1),
-                ignore_index=_IGNORE_INDEX,
+                ignore_index=IGNORE_INDEX,
             )
         return MaskedLMOutput(loss=loss, logits=logits)

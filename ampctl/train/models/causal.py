@@ -1,5 +1,6 @@
 """Pieces shared by the decoder models (:mod:`ampctl.train.models.gpt2`, :mod:`ampctl.train.models.llama`).
 
+* :class:`CausalLM`: the frame of both: the backbone, ``lm_head`` and the forward.
 * :class:`CausalLMOutput`: ``.loss`` / ``.logits``, also readable as a mapping (HF style).
 * :func:`causal_lm_loss`: the Hugging Face causal-LM loss. ``labels`` are the input ids (or -100
   where no prediction is wanted); the shift happens here: position ``t`` predicts label
@@ -16,79 +17,21 @@ are intentional, not overflow.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from .bert import MaskedLMOutput
+from .base import IGNORE_INDEX, LanguageModel, MaskedLMOutput, check_inputs
 
-__all__ = [
-    "ATTN_IMPLS",
-    "IGNORE_INDEX",
-    "CausalLMOutput",
-    "causal_lm_loss",
-    "causal_lm_forward",
-    "causal_attention",
-    "check_inputs",
-    "require_int",
-    "require_float",
-]
-
-#: Allowed values of a decoder's ``attn_impl``.
-ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
-IGNORE_INDEX = -100
+__all__ = ["CausalLM", "CausalLMOutput", "causal_lm_loss", "causal_attention"]
 
 
 @dataclass
 class CausalLMOutput(MaskedLMOutput):
     """Result of a decoder's ``forward``: ``loss`` (``None`` without labels) and ``logits``
     [B, T, vocab] in the compute dtype. Attribute and mapping access, as HF's ``ModelOutput``."""
-
-
-def require_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
-    return value
-
-
-def require_float(name: str, value: Any, *, low: float, high: float | None = None) -> float:
-    """A finite number ``>= low`` (and ``< high`` when given)."""
-    allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
-    if not math.isfinite(value) or value < low or (high is not None and value >= high):
-        raise ValueError(f"{name} ({value}) must be a finite number {allowed}")
-    return float(value)
-
-
-def check_inputs(
-    input_ids: Tensor,
-    attention_mask: Tensor | None,
-    labels: Tensor | None,
-    max_position: int | None,
-) -> Tensor | None:
-    """Validate the shapes of a decoder's inputs; returns the mask as bool (or ``None``)."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-    if max_position is not None and input_ids.shape[1] > max_position:
-        raise ValueError(
-            f"input_ids has seq_len {input_ids.shape[1]}, more than max_position ({max_position})"
-        )
-    for name, tensor in (("attention_mask", attention_mask), ("labels", labels)):
-        if tensor is not None and tensor.shape != input_ids.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, "
-                f"expected the shape of input_ids {tuple(input_ids.shape)}"
-            )
-    if attention_mask is None:
-        return None
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -161,27 +104,40 @@ def causal_attention(
     return probs @ v
 
 
-def causal_lm_forward(
-    model: Any,
-    backbone: Any,
-    input_ids: Tensor,
-    attention_mask: Tensor | None = None,
-    labels: Tensor | None = None,
-) -> CausalLMOutput:
-    """The causal LMs' forward (GPT-2, Llama): ``model.lm_head(backbone(input_ids, key_mask))``.
+class CausalLM(LanguageModel):
+    """A causal LM: its backbone (under Hugging Face's name, :attr:`backbone_name`) and
+    ``lm_head``, trained with the shifted next-token loss."""
 
-    Args:
-        input_ids: long [B, T], ``T <= model.max_position``.
-        attention_mask: [B, T], True (1) for real tokens, False (0) for padding; padding
-            keys are not attended to. ``None``: no padding.
-        labels: long [B, T]: the input ids, with -100 where no loss is wanted; shifted
-            inside (position t predicts labels[t + 1]), as in Hugging Face.
+    #: The attribute that holds the backbone: ``transformer`` (GPT-2), ``model`` (Llama).
+    backbone_name: str
 
-    Returns:
-        :class:`CausalLMOutput`: ``logits`` [B, T, vocab_size] in the compute dtype, ``loss``
-        the mean fp32 cross entropy (``None`` without labels).
-    """
-    key_mask = check_inputs(input_ids, attention_mask, labels, model.max_position)
-    logits = model.lm_head(backbone(input_ids, key_mask))
-    loss = None if labels is None else causal_lm_loss(logits, labels)
-    return CausalLMOutput(loss=loss, logits=logits)
+    def _add_head(self, embeddings: nn.Embedding, tie: bool) -> None:
+        """``lm_head`` after the backbone; every module initialised, ``lm_head`` tied to the
+        token ``embeddings`` if ``tie``."""
+        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self._init_and_tie(self.lm_head, embeddings, tie)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Next-token logits ``lm_head(backbone(input_ids, key_mask))`` and, with ``labels``,
+        the loss.
+
+        Args:
+            input_ids: long [B, T], ``T <= max_position``.
+            attention_mask: [B, T], True (1) for real tokens, False (0) for padding; padding
+                keys are not attended to. ``None``: no padding.
+            labels: long [B, T]: the input ids, with -100 where no loss is wanted; shifted
+                inside (position t predicts labels[t + 1]), as in Hugging Face.
+
+        Returns:
+            :class:`CausalLMOutput`: ``logits`` [B, T, vocab_size] in the compute dtype,
+            ``loss`` the mean fp32 cross entropy (``None`` without labels).
+        """
+        key_mask = check_inputs(input_ids, self.max_position, attention_mask, labels=labels)
+        logits = self.lm_head(getattr(self, self.backbone_name)(input_ids, key_mask))
+        loss = None if labels is None else causal_lm_loss(logits, labels)
+        return CausalLMOutput(loss=loss, logits=logits)

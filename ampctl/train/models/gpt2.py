@@ -38,14 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .causal import (
-    ATTN_IMPLS,
-    CausalLMOutput,
-    causal_attention,
-    causal_lm_forward,
-    require_float,
-    require_int,
-)
+from .base import require_float, require_int
+from .causal import CausalLM, causal_attention
 
 __all__ = ["GPT2LMHeadModel", "HF_CONV1D_WEIGHTS"]
 
@@ -159,7 +153,7 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     """GPT-2 with a language-model head, trained with the shifted next-token loss.
 
     Args:
@@ -183,6 +177,8 @@ class GPT2LMHeadModel(nn.Module):
         ValueError: an argument out of range; the message names it.
     """
 
+    backbone_name = "transformer"
+
     def __init__(
         self,
         *,
@@ -200,7 +196,6 @@ class GPT2LMHeadModel(nn.Module):
         reorder_and_upcast_attn: bool = False,
         initializer_range: float = 0.02,
     ) -> None:
-        super().__init__()
         for name, value in (
             ("vocab_size", vocab_size),
             ("hidden_size", hidden_size),
@@ -226,13 +221,7 @@ class GPT2LMHeadModel(nn.Module):
         ):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be true or false, got {flag!r}")
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl ({attn_impl!r}) must be one of {', '.join(ATTN_IMPLS)}")
-
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.max_position = max_position
+        super().__init__(vocab_size, hidden_size, num_layers, max_position, attn_impl)
         self.initializer_range = initializer_range
         self.transformer = GPT2Model(
             vocab_size=vocab_size,
@@ -247,37 +236,17 @@ class GPT2LMHeadModel(nn.Module):
             scale_attn_by_inverse_layer_idx=scale_attn_by_inverse_layer_idx,
             reorder_and_upcast_attn=reorder_and_upcast_attn,
         )
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        self.apply(self._init_weights)
-        if tie_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        self._add_head(self.transformer.wte, tie_embeddings)
         self.register_state_dict_post_hook(_to_hf_layout)
         self.register_load_state_dict_pre_hook(_from_hf_layout)
 
     def _init_weights(self, module: nn.Module) -> None:
-        """GPT-2's init: N(0, std) weights, zero biases, LayerNorm ones/zeros, and the residual
-        projections (``c_proj``) at std / sqrt(2 * num_layers)."""
-        std = self.initializer_range
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+        """GPT-2's init: the base's N(0, std), and the residual projections (``c_proj``) at
+        std / sqrt(2 * num_layers)."""
+        super()._init_weights(module)
         if isinstance(module, GPT2Attention | GPT2MLP):
-            nn.init.normal_(
-                module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.num_layers)
-            )
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-    ) -> CausalLMOutput:
-        """Next-token logits and, with ``labels``, the loss: see :func:`causal_lm_forward`."""
-        return causal_lm_forward(self, self.transformer, input_ids, attention_mask, labels)
+            std = self.initializer_range / math.sqrt(2 * self.num_layers)
+            nn.init.normal_(module.c_proj.weight, mean=0.0, std=std)
 
 
 def _conv1d_keys(state_dict: dict[str, Any], prefix: str) -> list[str]:

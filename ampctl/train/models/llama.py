@@ -34,14 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .causal import (
-    ATTN_IMPLS,
-    CausalLMOutput,
-    causal_attention,
-    causal_lm_forward,
-    require_float,
-    require_int,
-)
+from .base import require_float, require_int
+from .causal import CausalLM, causal_attention
 
 __all__ = ["LlamaForCausalLM", "LlamaRMSNorm", "rotary_cos_sin", "apply_rotary"]
 
@@ -197,7 +191,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama with a language-model head, trained with the shifted next-token loss.
 
     Args:
@@ -221,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
         ValueError: an argument out of range; the message names it.
     """
 
+    backbone_name = "model"
+
     def __init__(
         self,
         *,
@@ -238,7 +234,6 @@ class LlamaForCausalLM(nn.Module):
         attn_impl: str = "sdpa",
         initializer_range: float = 0.02,
     ) -> None:
-        super().__init__()
         for name, value in (
             ("vocab_size", vocab_size),
             ("hidden_size", hidden_size),
@@ -266,13 +261,7 @@ class LlamaForCausalLM(nn.Module):
         initializer_range = require_float("initializer_range", initializer_range, low=0.0)
         if not isinstance(tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {tie_embeddings!r}")
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl ({attn_impl!r}) must be one of {', '.join(ATTN_IMPLS)}")
-
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.max_position = max_position
+        super().__init__(vocab_size, hidden_size, num_layers, max_position, attn_impl)
         self.initializer_range = initializer_range
         self.model = LlamaModel(
             vocab_size=vocab_size,
@@ -286,23 +275,4 @@ class LlamaForCausalLM(nn.Module):
             dropout=dropout,
             attn_impl=attn_impl,
         )
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        self.apply(self._init_weights)
-        if tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def _init_weights(self, module: nn.Module) -> None:
-        """Hugging Face's Llama init: N(0, initializer_range) weights, RMSNorm ones."""
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=self.initializer_range)
-        elif isinstance(module, LlamaRMSNorm):
-            nn.init.ones_(module.weight)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-    ) -> CausalLMOutput:
-        """Next-token logits and, with ``labels``, the loss: see :func:`causal_lm_forward`."""
-        return causal_lm_forward(self, self.model, input_ids, attention_mask, labels)
+        self._add_head(self.model.embed_tokens, tie_embeddings)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .base import FileNote, Found, NotACheckpoint, is_pickled_by_design, load_noting
+from .base import FileNote, Found, NotACheckpoint
 from .lazy import shapes_of
-from .plain import is_optimizer_state, is_scaler_state
-from .weights import read_weight_files, weight_files
+from .weights import read_state_files, read_weight_files, weight_files
 
 __all__ = ["FORMAT_NAME", "claims", "read"]
 
@@ -61,26 +60,12 @@ def read(path: Path) -> Found:
     m = _AUTO.match(path.name)
     found.weights = read_weight_files(path, found.files, found.problems)
     found.unordered_params = shapes_of(found.weights)
-    used = {n.file for n in found.files}
-    for f in sorted(path.iterdir()):
-        if f.name in used or not f.is_file():
-            continue
-        if is_pickled_by_design(f.name):
-            found.files.append(FileNote(f.name, False, "pickled Python objects: never loaded"))
-        elif _OPT.match(f.name) and found.optimizer is None:
-            obj = load_noting(found, f)
-            if is_optimizer_state(obj):
-                found.optimizer = obj
-                found.files.append(FileNote(f.name, True, "optimizer state"))
-        elif f.name == "scaler.pt":
-            obj = load_noting(found, f)
-            if is_scaler_state(obj):
-                found.scaler, found.scaler_kind = obj, "GradScaler"
-                found.files.append(FileNote(f.name, True, "GradScaler state"))
-        else:
-            found.files.append(FileNote(f.name, False, "not needed"))
-    if found.scaler is not None:
-        found.precision, found.precision_source = "fp16", "scaler.pt (GradScaler: fp16)"
+    read_state_files(
+        found,
+        path,
+        lambda name: bool(_OPT.match(name)) and found.optimizer is None,
+        lambda f: found.files.append(FileNote(f.name, False, "not needed")),
+    )
     if found.optimizer is not None:
         steps = [
             st.get("step")

@@ -27,6 +27,7 @@ optimizer state written by ``get_state_dict`` is keyed by parameter name, so it 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import io
@@ -34,6 +35,8 @@ import math
 import pathlib
 import pickle
 import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,36 +204,42 @@ def _sizes(path: Path, tensors: dict[str, Any]) -> dict[str, int]:
     return sizes
 
 
-def _allocate(path: Path, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Empty tensors for every entry, after their bytes are checked against the memory limit
-    (all of them: DCP's own loader, ``--trust-code``, reads them together)."""
+def _check_all_fit(path: Path, tensors: dict[str, Any]) -> None:
+    """The bytes of every entry checked against the memory limit (DCP's own loader,
+    ``--trust-code``, reads them together)."""
     sizes = _sizes(path, tensors)
     total, largest = sum(sizes.values()), max(sizes.values(), default=0)
     check_memory(total + 3 * largest, what=f"{str(path)!r} ({human_size(total)} of tensors)")
-    return {fqn: torch.empty(tuple(e.size), dtype=e.properties.dtype) for fqn, e in tensors.items()}
 
 
-def _read_items(md: Any, path: Path, flat: dict[str, torch.Tensor]) -> None:
-    """DCP's per-item read of the tensors of ``flat`` (allocated here) from the folder."""
-    import warnings
-
-    from torch.distributed.checkpoint import load as dcp_load
+@contextlib.contextmanager
+def _dcp_reading(path: Path) -> Iterator[None]:
+    """DCP's warnings about a single process silenced; a failure in the block (other than a
+    refusal) is one :class:`ReaderError` line."""
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    reader = _reader_class(md)(str(path))
-    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*")
         try:
-            dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)
+            yield
         except (PickleRefused, ReaderError, FileRefused):
             raise
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: one line
             raise ReaderError(
                 f"{str(path)!r} is not a readable DCP checkpoint: {_failure(e)}"
             ) from None
+
+
+def _read_items(md: Any, path: Path, flat: dict[str, torch.Tensor]) -> None:
+    """DCP's per-item read of the tensors of ``flat`` (allocated here) from the folder."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    reader = _reader_class(md)(str(path))
+    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+    with _dcp_reading(path):
+        dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def _one_item(md: Any, path: Path, fqn: str, entry: Any) -> torch.Tensor:
@@ -333,34 +342,16 @@ def _reader_class(md: Any) -> type:
 
 def _load(path: Path, trust_code: bool) -> tuple[dict[str, Any], list[str]]:
     """The state (nested) and the non-tensor values left unread."""
-    import warnings
-
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     md = read_metadata(path)
     tensors, other = _tensor_entries(md)
     if not trust_code:  # tensors one at a time (DCP per-item reads)
         return _nest(md, _streamed(md, path, tensors)), other
-    flat = _allocate(path, tensors)
+    _check_all_fit(path, tensors)
     reader = _reader_class(md)(str(path))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is.*")
-        try:
-            if trust_code:  # the user allows DCP's own loader (non-tensor values unpickled)
-                return _load_state_dict_from_keys(storage_reader=reader), []
-            planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
-            dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)
-        except (PickleRefused, ReaderError, FileRefused):
-            raise
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: one line
-            raise ReaderError(
-                f"{str(path)!r} is not a readable DCP checkpoint: {_failure(e)}"
-            ) from None
-    return _nest(md, flat), other
+    with _dcp_reading(path):  # the user allows DCP's own loader (non-tensor values unpickled)
+        return _load_state_dict_from_keys(storage_reader=reader), []
 
 
 def _failure(e: BaseException) -> str:

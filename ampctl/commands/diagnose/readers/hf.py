@@ -26,17 +26,9 @@ from ampctl.trust import read_bounded
 
 from ..rows import RowKeeper
 from ..stages import Row
-from .base import (
-    FileNote,
-    ForeignHistory,
-    Found,
-    NotACheckpoint,
-    is_pickled_by_design,
-    load_noting,
-)
+from .base import FileNote, ForeignHistory, Found, NotACheckpoint
 from .lazy import lazy_from, shapes_of
-from .plain import is_optimizer_state, is_scaler_state
-from .weights import read_weight_files, weight_files
+from .weights import read_state_files, read_weight_files, weight_files
 
 __all__ = ["FORMAT_NAME", "claims", "read", "checkpoints_of", "build_meta_model", "nan_filtered"]
 
@@ -150,23 +142,9 @@ def _read_files(found: Found, path: Path) -> None:
         step if isinstance(step, int) else (_step_of(path) if _step_of(path) >= 0 else None)
     )
     found.weights = read_weight_files(path, found.files, found.problems)
-    used = {n.file for n in found.files}
-    for f in sorted(path.iterdir()):
-        if f.name in used or not f.is_file():
-            continue
-        if is_pickled_by_design(f.name):
-            found.files.append(FileNote(f.name, False, "pickled Python objects: never loaded"))
-        elif f.name in ("optimizer.pt", "optimizer.bin"):
-            obj = load_noting(found, f)
-            if is_optimizer_state(obj):
-                found.optimizer = obj
-                found.files.append(FileNote(f.name, True, "optimizer state"))
-        elif f.name == "scaler.pt":
-            obj = load_noting(found, f)
-            if is_scaler_state(obj):
-                found.scaler, found.scaler_kind = obj, "GradScaler"
-                found.files.append(FileNote(f.name, True, "GradScaler state"))
-        elif f.name == TRAINER_STATE:
+
+    def other(f: Path) -> None:
+        if f.name == TRAINER_STATE:
             read = not found.history_errors
             found.files.append(FileNote(f.name, read, "log_history" if read else "unreadable"))
         elif f.name == "config.json":
@@ -174,9 +152,9 @@ def _read_files(found: Found, path: Path) -> None:
             found.files.append(FileNote(f.name, True, "model config (replay, names)"))
         elif f.name not in weight_files(path):
             found.files.append(FileNote(f.name, False, "not needed"))
-    if found.scaler is not None:
-        found.precision, found.precision_source = "fp16", "scaler.pt (GradScaler: fp16)"
-    else:
+
+    read_state_files(found, path, lambda name: name in ("optimizer.pt", "optimizer.bin"), other)
+    if found.scaler is None:
         found.notes.append(
             "precision unknown: training_args.bin (pickled) is not read and there is no "
             "scaler.pt (fp32 or bf16); pass --precision to replay in the run's precision"

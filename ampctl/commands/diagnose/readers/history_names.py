@@ -8,9 +8,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .base import ForeignHistory
+from .base import ForeignHistory, install_hint
 
-__all__ = ["ROLES", "METRIC_NAMES", "NAME_ROLES", "build_history", "schema_table", "as_float"]
+__all__ = [
+    "ROLES",
+    "METRIC_NAMES",
+    "NAME_ROLES",
+    "build_history",
+    "not_read",
+    "schema_table",
+    "as_float",
+]
 
 #: The health schema: what diagnose reads from a history. ``skipped`` and ``overflow`` are
 #: running counts (a step where one goes up was skipped / overflowed).
@@ -106,7 +114,8 @@ def build_history(
     ``pick``: a tool whose names are the user's own (Lightning's ``self.log``) chooses the
     columns from every name seen; otherwise names are looked up in :data:`NAME_ROLES` and a
     name not there is listed in the notes (with ``unknown``: names a reader left unread).
-    None when no row has a step."""
+    ``notes`` come first, read once the rows are (a reader may add to them while they are
+    read). None when no row has a step."""
     merged: dict[int, dict[str, float]] = {}
     unknown = dict.fromkeys(unknown)
     known: dict[str, None] = {}
@@ -148,6 +157,12 @@ def build_history(
             f"metrics not in diagnose's table, kept out of the health figures: {shown}{more}"
         )
     return out
+
+
+def not_read(source: Path, what: str, package: str, extra: str = "diagnose") -> ForeignHistory:
+    """A history with no rows: ``what`` was found but not read, ``package`` is not installed."""
+    hint = install_hint(package, extra)
+    return ForeignHistory(source=str(source), notes=[f"{what} found but not read: {hint}"])
 
 
 def as_float(value: Any) -> float | None:

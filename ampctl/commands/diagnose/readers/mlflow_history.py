@@ -32,8 +32,8 @@ from ampctl.errors import first_line
 from ampctl.runlog.readers import RunFileError
 from ampctl.trust import checked_file
 
-from .base import ForeignHistory, install_hint
-from .history_names import NAME_ROLES, build_history
+from .base import ForeignHistory
+from .history_names import NAME_ROLES, build_history, not_read
 
 __all__ = ["read_mlflow", "store_uri"]
 
@@ -115,12 +115,7 @@ def read_mlflow(path: Path) -> ForeignHistory | None:
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
-        return ForeignHistory(
-            source=str(path),
-            notes=[
-                f"an MLflow store found but not read: {install_hint('mlflow-skinny', 'mlflow')}"
-            ],
-        )
+        return not_read(path, "an MLflow store", "mlflow-skinny", "mlflow")
     with warnings.catch_warnings(), _file_store_allowed(path.is_dir()):
         warnings.simplefilter("ignore")
         return _read(MlflowClient, uri, path)

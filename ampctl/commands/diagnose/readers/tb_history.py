@@ -26,8 +26,8 @@ from typing import Any
 from ampctl.runlog.readers import RunFileError
 from ampctl.trust import FileRefused, human_size, open_checked
 
-from .base import ForeignHistory, install_hint
-from .history_names import _entries, _tb_dirs, build_history
+from .base import ForeignHistory
+from .history_names import _entries, _tb_dirs, build_history, not_read
 
 __all__ = ["read_tensorboard", "event_files", "iter_scalars", "valid_records"]
 
@@ -149,10 +149,7 @@ def read_tensorboard(
     try:
         import tensorboard.backend.event_processing.event_file_loader  # noqa: F401
     except ImportError:
-        return ForeignHistory(
-            source=str(path),
-            notes=[f"TensorBoard events found but not read: {install_hint('tensorboard')}"],
-        )
+        return not_read(path, "TensorBoard events", "tensorboard")
     notes: list[str] = []
 
     def rows() -> Iterator[dict[str, Any]]:
@@ -164,8 +161,7 @@ def read_tensorboard(
 
     if len(files) > 1:
         notes.append(f"{len(files)} event files read as one history, oldest first")
-    h = build_history(str(path), rows(), pick=pick)
-    if h is None:
-        return ForeignHistory(source=str(path), notes=notes) if notes else None
-    h.notes[:0] = notes  # notes were filled while the rows were read
+    h = build_history(str(path), rows(), pick=pick, notes=notes)
+    if h is None and notes:
+        return ForeignHistory(source=str(path), notes=notes)
     return h

@@ -20,6 +20,7 @@ imported only here, when a run is read.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import zlib
@@ -30,8 +31,8 @@ from typing import Any
 from ampctl.runlog.readers import RunFileError
 from ampctl.trust import FileRefused, human_size, open_checked
 
-from .base import ForeignHistory, install_hint
-from .history_names import _entries, as_float, build_history
+from .base import ForeignHistory
+from .history_names import _entries, as_float, build_history, not_read
 
 __all__ = ["read_wandb", "run_files", "iter_records", "STEP_NAMES", "MAX_RECORD"]
 
@@ -190,10 +191,7 @@ def read_wandb(path: Path) -> ForeignHistory | None:
     try:
         from wandb.proto import wandb_internal_pb2  # noqa: F401
     except ImportError:
-        return ForeignHistory(
-            source=str(path),
-            notes=[f"a W&B run found but not read: {install_hint('wandb', 'wandb')}"],
-        )
+        return not_read(path, "a W&B run", "wandb", "wandb")
     file = files[0]
     notes: list[str] = []  # filled while the rows are read
     info: list[str] = []
@@ -220,8 +218,7 @@ def read_wandb(path: Path) -> ForeignHistory | None:
         except FileRefused as e:
             raise RunFileError(file, e.reason) from None
 
-    h = build_history(str(file), rows())
-    if h is None:
-        return ForeignHistory(source=str(file), notes=info + notes) if notes else None
-    h.notes[:0] = info + notes
+    h = build_history(str(file), rows(), notes=itertools.chain(info, notes))
+    if h is None and notes:
+        return ForeignHistory(source=str(file), notes=info + notes)
     return h

@@ -12,15 +12,25 @@ asks for it, one at a time (:class:`~.lazy.LazyTensors`), never the whole folder
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from ampctl.runlog.readers import RunFileError, load_json
 
 from ..stages import Problem
-from .base import FileNote, float_tensors, load_torch, safetensors_tensors
+from .base import (
+    FileNote,
+    Found,
+    float_tensors,
+    is_pickled_by_design,
+    load_noting,
+    load_torch,
+    safetensors_tensors,
+)
 from .lazy import LazyTensors
+from .plain import is_optimizer_state, is_scaler_state
 
-__all__ = ["weight_files", "read_weight_files", "index_file"]
+__all__ = ["weight_files", "read_weight_files", "index_file", "read_state_files"]
 
 _SAFE = re.compile(r"^(model|pytorch_model)(_\d+)?(-\d{5}-of-\d{5})?\.safetensors\Z")
 _BIN = re.compile(r"^pytorch_model(_\d+)?(-\d{5}-of-\d{5})?\.bin\Z")
@@ -98,3 +108,34 @@ def read_weight_files(
             weights.update(float_tensors(load_torch(p)))
             notes.append(FileNote(name, True, "weights (weights_only, mmap)"))
     return weights
+
+
+def read_state_files(
+    found: Found,
+    folder: Path,
+    is_optimizer: Callable[[str], bool],
+    other: Callable[[Path], None],
+) -> None:
+    """The files of ``folder`` not yet in ``found.files``, by name: a pickled one noted as never
+    loaded, the optimizer state (``is_optimizer(name)``) and ``scaler.pt`` (a GradScaler state:
+    the run was fp16) read and kept, any other handed to ``other``."""
+    used = {n.file for n in found.files}
+    for f in sorted(folder.iterdir()):
+        if f.name in used or not f.is_file():
+            continue
+        if is_pickled_by_design(f.name):
+            found.files.append(FileNote(f.name, False, "pickled Python objects: never loaded"))
+        elif is_optimizer(f.name):
+            obj = load_noting(found, f)
+            if is_optimizer_state(obj):
+                found.optimizer = obj
+                found.files.append(FileNote(f.name, True, "optimizer state"))
+        elif f.name == "scaler.pt":
+            obj = load_noting(found, f)
+            if is_scaler_state(obj):
+                found.scaler, found.scaler_kind = obj, "GradScaler"
+                found.files.append(FileNote(f.name, True, "GradScaler state"))
+        else:
+            other(f)
+    if found.scaler is not None:
+        found.precision, found.precision_source = "fp16", "scaler.pt (GradScaler: fp16)"

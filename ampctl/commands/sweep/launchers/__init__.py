@@ -19,6 +19,7 @@ on the next rung resumes from its own checkpoint there, on whichever node runs i
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "LauncherOptions",
     "make_launcher",
     "parse_time_minutes",
+    "import_for",
 ]
 
 LAUNCHERS = ("local", "ray", "slurm")
@@ -69,9 +71,13 @@ class Launcher:
 
     name = "launcher"
 
+    def __init__(self, opts: LauncherOptions) -> None:
+        self.opts = opts
+        self.cpus = opts.cpus_per_trial or 1  # per trial, by default 1
+
     def threads(self, jobs: int) -> int:
         """CPU threads each trial gets (OMP_NUM_THREADS)."""
-        return 1
+        return self.cpus
 
     def in_flight(self, jobs: int | None, queued: int) -> int:
         """How many trials to keep submitted at once (``--jobs``; default: all, the cluster
@@ -92,6 +98,15 @@ class Launcher:
 
     def close(self) -> None:
         """Release what the launcher started (a local Ray it started, for instance)."""
+
+
+def import_for(launcher: str, package: str, hint: str) -> Any:
+    """``package``, which ``--launcher launcher`` needs; a UsageError with ``hint`` (how to
+    install it) when it is missing."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise UsageError(f"--launcher {launcher} needs the {package} package: {hint}") from None
 
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?\Z")

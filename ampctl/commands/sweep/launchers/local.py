@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 
-from ampctl.files import open_append
-
 from . import Launcher, LauncherOptions, Outcome, TrialJob
+from .process import start_trial
 
 __all__ = ["LocalLauncher", "threads_per_trial", "cores"]
 
@@ -45,7 +43,7 @@ class LocalLauncher(Launcher):
     name = "local"
 
     def __init__(self, opts: LauncherOptions) -> None:
-        self.opts = opts
+        super().__init__(opts)
         self.cores = cores()
 
     def in_flight(self, jobs: int | None, queued: int) -> int:
@@ -59,20 +57,7 @@ class LocalLauncher(Launcher):
         return f"{jobs} at a time, {n} CPU thread{'s' if n > 1 else ''} each"
 
     def submit(self, job: TrialJob) -> _Proc:
-        env = dict(os.environ)
-        env.update(job.env)
-        with open_append(job.stdout) as out, open_append(job.stderr) as err:
-            # own session: a Ctrl-C on the terminal reaches the sweep only; it stops the trials
-            proc = subprocess.Popen(
-                [sys.executable, *job.args],
-                cwd=job.cwd,
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        return _Proc(proc)
+        return _Proc(start_trial(job))
 
     def poll(self, handle: _Proc) -> Outcome | None:
         code = handle.proc.poll()

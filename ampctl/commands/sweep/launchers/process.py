@@ -23,13 +23,29 @@ from ampctl.files import open_append
 
 from . import Outcome, TrialJob
 
-__all__ = ["run_trial", "FolderNotShared"]
+__all__ = ["run_trial", "start_trial", "FolderNotShared"]
 
 POLL_S = 0.5
 
 
 class FolderNotShared(RuntimeError):
     """The node does not see the sweep folder: remote trials need a shared filesystem."""
+
+
+def start_trial(job: TrialJob) -> subprocess.Popen:
+    """``job``'s process, its output appended to its log files, in a session of its own: a
+    signal reaches it from its runner only (a Ctrl-C on the terminal stops the sweep, which
+    stops the trials; a remote runner passes a stop on once)."""
+    with open_append(job.stdout) as out, open_append(job.stderr) as err:
+        return subprocess.Popen(
+            [sys.executable, *job.args],
+            cwd=job.cwd,
+            env={**os.environ, **job.env},
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def run_trial(job: TrialJob) -> Outcome:
@@ -46,20 +62,8 @@ def run_trial(job: TrialJob) -> Outcome:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             old[sig] = signal.signal(sig, lambda *_: stop.set())
-    env = dict(os.environ)
-    env.update(job.env)
     try:
-        with open_append(job.stdout) as out, open_append(job.stderr) as err:
-            proc = subprocess.Popen(
-                [sys.executable, *job.args],
-                cwd=job.cwd,
-                env=env,
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # signals reach it from this runner only, once
-            )
-            code = _wait(proc, job, stop)
+        code = _wait(start_trial(job), job, stop)
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)

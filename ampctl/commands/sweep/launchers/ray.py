@@ -14,28 +14,20 @@ from typing import Any
 
 from ampctl.errors import UsageError, first_line
 
-from . import Launcher, LauncherOptions, Outcome, TrialJob
+from . import Launcher, LauncherOptions, Outcome, TrialJob, import_for
 from .process import run_trial
 
-__all__ = ["RayLauncher", "import_ray"]
+__all__ = ["RayLauncher"]
 
 INSTALL_HINT = 'pip install "ampctl[ray]" (or pip install "ray>=2.9")'
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise UsageError(f"--launcher ray needs the ray package: {INSTALL_HINT}") from None
-    return ray
 
 
 class RayLauncher(Launcher):
     name = "ray"
 
     def __init__(self, opts: LauncherOptions) -> None:
-        ray = self.ray = import_ray()
-        self.opts = opts
+        ray = self.ray = import_for("ray", "ray", INSTALL_HINT)
+        super().__init__(opts)
         self.started = False
         if not ray.is_initialized():
             try:
@@ -51,16 +43,12 @@ class RayLauncher(Launcher):
                     f"--launcher ray: could not start {where}: {first_line(e)}"
                 ) from None
             self.started = True
-        self.cpus = opts.cpus_per_trial or 1
         self.remote = ray.remote(run_trial).options(
             num_cpus=self.cpus,
             num_gpus=opts.gpus_per_trial or 0,
             max_retries=0,
             name="ampctl-trial",
         )
-
-    def threads(self, jobs: int) -> int:
-        return self.cpus
 
     def describe(self, jobs: int) -> str:
         gpus = f", {self.opts.gpus_per_trial} GPU" if self.opts.gpus_per_trial else ""

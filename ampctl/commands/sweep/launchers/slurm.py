@@ -16,29 +16,21 @@ from typing import Any
 
 from ampctl.errors import UsageError, first_line
 
-from . import Launcher, LauncherOptions, Outcome, TrialJob, parse_time_minutes
+from . import Launcher, LauncherOptions, Outcome, TrialJob, import_for, parse_time_minutes
 from .process import run_trial
 
-__all__ = ["SlurmLauncher", "import_submitit"]
+__all__ = ["SlurmLauncher"]
 
 INSTALL_HINT = 'pip install "ampctl[slurm]" (or pip install "submitit>=1.5")'
 LOCAL_TIMEOUT_MIN = 7 * 24 * 60  # submitit's local executor kills a job after 2 min by default
-
-
-def import_submitit() -> Any:
-    try:
-        import submitit
-    except ImportError:
-        raise UsageError(f"--launcher slurm needs the submitit package: {INSTALL_HINT}") from None
-    return submitit
 
 
 class SlurmLauncher(Launcher):
     name = "slurm"
 
     def __init__(self, opts: LauncherOptions, sweep_dir: Path) -> None:
-        submitit = self.submitit = import_submitit()
-        self.opts = opts
+        submitit = self.submitit = import_for("slurm", "submitit", INSTALL_HINT)
+        super().__init__(opts)
         folder = Path(sweep_dir) / "_submitit"
         try:
             self.executor = submitit.AutoExecutor(folder=folder, cluster=opts.slurm_cluster)
@@ -47,7 +39,6 @@ class SlurmLauncher(Launcher):
                 f"--launcher slurm: submitit cannot submit to {opts.slurm_cluster}: "
                 f"{first_line(e)} (is sbatch on PATH?)"
             ) from None
-        self.cpus = opts.cpus_per_trial or 1
         params: dict[str, Any] = {
             "name": f"ampctl-{Path(sweep_dir).name}",
             "nodes": 1,
@@ -68,9 +59,6 @@ class SlurmLauncher(Launcher):
             self.executor.update_parameters(**params)
         except (ValueError, TypeError) as e:
             raise UsageError(f"--launcher slurm: {first_line(e)}") from None
-
-    def threads(self, jobs: int) -> int:
-        return self.cpus
 
     def describe(self, jobs: int) -> str:
         where = "submitit local executor" if self.opts.slurm_cluster == "local" else "SLURM"
