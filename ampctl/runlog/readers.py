@@ -341,8 +341,9 @@ class JsonArrayStream:
     than ``value_limit`` (:attr:`skipped_keys`); the file is never refused for its size. Text
     that is not JSON stops the stream: :attr:`error` says where (the entries before it were
     read); so do pickle or binary bytes, a file that may not be opened, and a document that is
-    not an object. Text after the object is not read (:attr:`trailing`). Memory is one entry and
-    a chunk of the file, time linear in it."""
+    not an object (``or_list``: a document that is the array itself is read as the array).
+    Text after the object is not read (:attr:`trailing`). Memory is one entry and a chunk of the
+    file, time linear in it."""
 
     KEPT_BAD = 100
     MAX_KEYS = 10_000
@@ -355,8 +356,9 @@ class JsonArrayStream:
         entry_limit: int = MAX_LINE,
         value_limit: int = MAX_LINE,
         chunk: int = 1 << 16,
+        or_list: bool = False,
     ) -> None:
-        self.path, self.key = Path(path), key
+        self.path, self.key, self.or_list = Path(path), key, or_list
         self.entry_limit, self.value_limit, self.chunk = entry_limit, value_limit, chunk
         self.top: dict[str, Any] = {}
         self.found_array = False
@@ -387,6 +389,11 @@ class JsonArrayStream:
         why = _what_it_holds(c.head)
         if why is not None:
             self.error = why
+            return
+        if first == "[" and self.or_list:  # the document is the array itself
+            self.found_array = True
+            yield from self._array(c, dec)
+            self.trailing = c.peek() != ""
             return
         if first != "{":
             if first in ("[", '"') or first.isdigit() or first == "-":

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ampctl.errors import UsageError
-from ampctl.runlog.readers import RunFileError, load_json
+from ampctl.runlog.readers import JsonArrayStream
 
 from .common import _check_out, _fmt_scale, _mpl, _save, _split_kept
 from .run_data import load_run_data
@@ -21,34 +21,37 @@ SWEEP_METRICS = ("loss_gap", "final_loss", "skipped", "overflow_rate", "wall_tim
 _OK = ("ok",)
 MAX_CELLS = 1024  # heat-map cells (init_scale x growth_interval); a sweep grid is ~5 x 4
 MAX_TRAJECTORIES = 100  # trial folders drawn in the trajectory panels
+MAX_TRIALS = 100_000  # trials kept from results.json (ampctl writes ~0.5 KB each)
 
 
 def _sweep_rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """results.json's trial rows, and the recommendation's tie record when it has one."""
+    """results.json's trial rows, and the recommendation's tie record when it has one.
+
+    Streamed (:class:`JsonArrayStream`: one trial at a time, a per-entry cap, never a whole-file
+    cap); the trials are kept, since the heat map needs them at once, up to ``MAX_TRIALS``."""
     path = sweep_dir / "results.json"
-    # One JSON document, read whole under the whole-file cap (load_json: a larger file, a link
-    # out of the folder or a non-regular file is one line, never read): ampctl sweep-scale
-    # writes ~0.5 KB per trial, so the cap holds ~10^5 trials, far past any grid a figure can
-    # show, and the heat map needs every trial at once anyway.
-    try:
-        obj = load_json(path)
-    except RunFileError as e:
-        raise UsageError(
-            f"{str(path)!r}: {e.reason} (results.json is one JSON document, read whole; "
-            "ampctl sweep-scale writes a few KB per trial)"
-        ) from None
-    tie = None
-    if isinstance(obj, dict):
-        rec = obj.get("recommendation")
-        tie = rec.get("tie") if isinstance(rec, dict) and isinstance(rec.get("tie"), dict) else None
-        obj = next(
-            (obj[k] for k in ("trials", "results", "rows") if isinstance(obj.get(k), list)), None
-        )
-    if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
+    stream = JsonArrayStream(path, "trials", or_list=True)
+    rows: list[dict[str, Any]] = []
+    every_dict = True
+    for trial in stream:
+        every_dict = every_dict and isinstance(trial, dict)
+        if not every_dict:
+            break
+        if len(rows) == MAX_TRIALS:
+            raise UsageError(
+                f"{str(path)!r} holds more than {MAX_TRIALS} trials; a sweep figure draws at "
+                f"most {MAX_CELLS} cells"
+            )
+        rows.append(trial)
+    if stream.error is not None:
+        raise UsageError(f"{str(path)!r}: {stream.error}")
+    if not stream.found_array or not every_dict:
         raise UsageError(
             f"{str(path)!r}: expected a list of trial objects (trial, init_scale, growth_interval, status, ...)"
         )
-    return obj, tie
+    rec = stream.top.get("recommendation")
+    tie = rec.get("tie") if isinstance(rec, dict) and isinstance(rec.get("tie"), dict) else None
+    return rows, tie
 
 
 def _is_num(v: Any) -> bool:
