@@ -98,7 +98,7 @@ def loop_problems(found: Found, state: StateHealth, h: History | None, terms: st
         _scheduler_on_skips(h, terms),
         _ceiling(state, h, terms),
         _fp16_trained(found, state, terms),
-        _unchecked(found, state, h),
+        _unchecked(state, h),
         _poisoned(found, state, h),
     ]
     return [p for p in out if p is not None]
@@ -221,7 +221,9 @@ def _halvings(state: StateHealth, h: History | None) -> str:
     )
 
 
-def _unchecked(found: Found, state: StateHealth, h: History | None) -> Problem | None:
+def _unchecked(state: StateHealth, h: History | None) -> Problem | None:
+    """Non-finite weights although a GradScaler (which skips any step it finds non-finite)
+    checked every step: what it checked was not what was applied."""
     sc = state.scaler
     if sc is None or sc.kind != "GradScaler" or not sc.enabled or not _nonfinite_state(state):
         return None
