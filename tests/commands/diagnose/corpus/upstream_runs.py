@@ -9,8 +9,10 @@ error it stopped on, its last words) goes to ``train.log``, as a job's log would
 
 from __future__ import annotations
 
+import datetime
 import math
 import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -194,7 +196,11 @@ def _rank(rank: int, world: int, port: int, out: Path, fixed: bool, steps: int, 
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     torch.set_num_threads(1)
     model = TwoTasks()
@@ -255,7 +261,13 @@ def ranks_loop(out: Path, *, fixed: bool, steps: int = 101, bad: int = 10) -> Pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = (2, port, out, fixed, steps, bad)
-    mp.start_processes(_rank, args=args, nprocs=2, start_method="fork")
+    ranks = mp.start_processes(_rank, args=args, nprocs=2, start_method="fork", join=False)
+    deadline = time.monotonic() + 120  # a rank that hangs fails the run, never the suite
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            raise TimeoutError("the two ranks did not finish in 120 s")
     return out
 
 
