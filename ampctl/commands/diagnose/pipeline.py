@@ -26,6 +26,7 @@ from .findings import replay_problems
 from .fp8 import fp8_problems
 from .health import applied_updates, state_health
 from .history import branch_of, foreign_history, run_history, unreadable_history
+from .loops import loop_problems
 from .readers.base import Found, ReaderError
 from .readers.histories import history_beside
 from .recommend import Settings, apply_probe, fresh_overrides, recommend, resume_command
@@ -427,6 +428,10 @@ def _diagnose(
     # 2. history
     branch = branch_of(found.path, found.run_dir) if found.format == "ampctl" else None
     hist, unread = _history(found, state, branch)
+    if found.precision is None and hist is not None and hist.scale_trajectory and not precision:
+        # weights alone (save_pretrained), beside a history that logs a loss scale: fp16
+        found.precision, found.precision_source = "fp16", "the history logs a loss scale"
+        replay_precision = "fp16"
     # 3. replay
     rep, fp8_section = _replay(
         found,
@@ -442,7 +447,11 @@ def _diagnose(
     )
     if rep.ran:
         problems += replay_problems(rep) + fp8_problems(fp8_section)
-    # 4. the verdict on the whole run: history, the other checkpoints, the scaler's record
+    # 4. the verdict on the whole run: history, the other checkpoints, the scaler's record,
+    # and the loop's own mistakes (in its terms)
+    who = integration_of(found)
+    terms = _INTEGRATION_TERMS.get(who or "", "state-dict") if who else found.format
+    problems += loop_problems(found, state, hist, terms)
     settings = _settings(found, cfg, state.scaler, hist)
     own = _facts(found, state, problems) if _has_checkpoint(found) else None
     j = judge(
@@ -456,8 +465,6 @@ def _diagnose(
         scaled=settings.scaled,
     )
     # 5. what to change, and where to resume
-    who = integration_of(found)
-    terms = _INTEGRATION_TERMS.get(who or "", "state-dict") if who else found.format
     recs = recommend(
         terms,
         settings,

@@ -216,6 +216,8 @@ def recommend(
     """The recommendations, rule by rule (numbered below), from the verdict ``j``."""
     recs = _Recs(fmt)
     kinds = {p.kind for p in j.problems}
+    if "unchecked_update" in kinds:  # the loop applied gradients its GradScaler never checked:
+        return []  # neither the lr nor the precision, its fix is in the loop (.loops)
     # 1) lr: a divergence lowers it by the history's factor; exploding updates halve it
     _lr_rules(recs, settings, kinds, j)
     # an lr divergence is the cause: the overflows it led to are its effect, so no precision
@@ -389,6 +391,12 @@ def _scale_rules(
                 f"scaler.max_scale={plain(max(rec, DEFAULT_MAX_SCALE))}",
                 f"the run's max_scale {g.max_scale:g} holds the scale below S*",
             )
+    if "scale_at_ceiling" in kinds and (settings.growth_interval or 0) < 2000:
+        recs.add(
+            "scaler.growth_interval=2000",
+            "the scale grew without bound: GradScaler's default interval lets it grow only after "
+            "2000 steps without an overflow",
+        )
     if "overflow_after_growth" in kinds and settings.growth_interval:
         recs.add(
             f"scaler.growth_interval={settings.growth_interval * 4}",

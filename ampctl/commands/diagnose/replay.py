@@ -767,12 +767,15 @@ def _hf_batches(
         if arch.endswith(("ForSequenceClassification", "ForMultipleChoice")):
             labels = int(getattr(config, "num_labels", 2) or 2)
             b["labels"] = torch.arange(_BATCH) % labels
-        elif arch.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining")):
+        elif arch.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining")) or (
+            getattr(config, "is_encoder_decoder", False)
+            and arch.endswith("ForConditionalGeneration")
+        ):  # a seq2seq LM (T5, BART) makes its decoder inputs from the labels
             b["labels"] = ids.clone()
         else:
             raise ReplaySkipped(
                 f"no loss for architecture {arch or '(none in config.json)'}: replay needs a "
-                "causal-LM, masked-LM or sequence-classification head"
+                "causal-LM, seq2seq-LM, masked-LM or sequence-classification head"
             )
         out.append({k: v.to(device) for k, v in b.items()})
     return out, label

@@ -130,7 +130,10 @@ scale more than 2^3 above S*), ``gradient_underflow``, ``activation_headroom``, 
 ``fp8_nonfinite`` (an fp8 cast
 went non-finite), ``fp8_headroom`` (fp8 layers with headroom below 2^1, or saturating / flushing
 to zero above the run's ``guard.fp8_sat_threshold`` / ``guard.fp8_under_threshold``: see
-:mod:`ampctl.commands.diagnose.fp8`; the recommendation is ``precision.fp8_exclude=[...]``).
+:mod:`ampctl.commands.diagnose.fp8`; the recommendation is ``precision.fp8_exclude=[...]``);
+the loop's own mistakes, each with its fix in the loop's terms (:mod:`.loops`):
+``scheduler_on_skipped_steps``, ``scale_at_ceiling``, ``fp16_weights_under_scaler``,
+``unchecked_update``, ``poisoned_checkpoint``.
 
 A run folder without checkpoints (e.g. written by :class:`ampctl.integrations.ProtectedRun`):
 ``checkpoint.step`` is null, ``checkpoints`` is empty, ``state`` holds no tensors, and the

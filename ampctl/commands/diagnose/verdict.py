@@ -53,16 +53,18 @@ __all__ = [
 ORDER = (
     ("refused_file", "unreadable_file"),
     ("lr_divergence",),
+    ("unchecked_update", "poisoned_checkpoint", "fp16_weights_under_scaler"),
     ("nonfinite_weights", "nonfinite_master", "extreme_weights", "extreme_master"),
     ("nonfinite_optimizer_state", "extreme_optimizer_state"),
     ("forward_overflow", "forward_nonfinite_fp32", "nonfinite_loss"),
     ("backward_nonfinite", "backward_nonfinite_fp32"),
     ("fp8_nonfinite",),
-    ("bad_scale", "scale_collapsed", "scale_at_floor"),
+    ("bad_scale", "scale_collapsed", "scale_at_floor", "scale_at_ceiling"),
     ("overflow_storm",),
     ("nan_loss",),
     ("run_aborted",),
     ("grad_norm_explosion",),
+    ("scheduler_on_skipped_steps",),
     ("gradient_underflow",),
 )
 _RANK = {k: i for i, kinds in enumerate(ORDER) for k in kinds}

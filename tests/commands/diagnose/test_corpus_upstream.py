@@ -1,206 +1,226 @@
 """Failures users report upstream (#40), each a real tiny run of the real library beside a
-healthy twin, named after the issue it reproduces. The plain loop saves what such a loop saves
-(``torch.save`` of model, optimizer, scaler, scheduler states) and logs to TensorBoard with its
-own names (``loss``, ``lr``, ``scale``, ``grad_norm``); diagnose reads both.
+healthy twin, named after the issue it reproduces (corpus/upstream_runs.py; their verdicts are
+corpus cases, checked with the others in test_corpus.py).
 
-Each test checks that the run reproduces the report (in the library's own numbers), that the
-facts the cause is told by reach diagnose's report, and that the healthy twin raises no alarm.
-Where the verdict does not name the cause yet, the docstring says what it needs.
+Each test checks that the run reproduces the report in the library's own numbers (its message,
+the scale trajectory, the NaN), that diagnose names the cause with the fix in the loop's own
+terms, and that the healthy twin raises no alarm.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from .conftest import diagnose_cli
+from .corpus.upstream_runs import LOG
 
 pytest.importorskip("tensorboard")
 
+WO = "encoder.block.1.layer.1.DenseReluDense.wo"
 
-def _log(out: Path, rows: list[dict]) -> None:
-    from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(str(out / "tensorboard")) as w:
-        for r in rows:
-            for k, v in r.items():
-                if k != "step":
-                    w.add_scalar(k, v, r["step"])
+def _scalars(run: Path, name: str) -> dict[int, float]:
+    """A scalar the run logged to TensorBoard, by step, as TensorBoard reads it back."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(name)}
+
+
+def _said(run: Path) -> list[str]:
+    f = run / LOG
+    return f.read_text().splitlines() if f.exists() else []
+
+
+def _healthy(corpus, target: Path) -> dict:
+    code, rep, _ = corpus.diagnose(target)
+    assert code == 0 and rep["problems"] == [] and rep["recommendations"] == [], rep["verdict"]
+    return rep
+
+
+# ---------------------------------------------------------------------------- transformers #5651
+def test_transformers_5651_t5_wo_output_passes_fp16_max(corpus):
+    """transformers' T5: after the jump, encoder block 1's ``wo`` gives ~1e5 in fp32 and inf
+    in fp16 (the report: 66246 > 65504), the loss is non-finite from the next step on; diagnose
+    replays the saved folder, names ``wo`` and moves it to fp32 in the loop's terms."""
+    pytest.importorskip("transformers")
+    from transformers import T5ForConditionalGeneration
+
+    run, ok = corpus.run("t5-wo-overflow"), corpus.run("t5-healthy")
+    model = T5ForConditionalGeneration.from_pretrained(run / "checkpoint-8")
+    outs = []
+    model.get_submodule(WO).register_forward_hook(lambda m, i, o: outs.append(o.detach()))
+    ids = (torch.arange(16)[None] * 2 + 5) % 64
+    model(input_ids=ids, labels=ids)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(input_ids=ids, labels=ids)
+    fp32, fp16 = outs
+    assert torch.isfinite(fp32).all() and fp32.abs().max() > 65504
+    assert fp16.dtype == torch.float16 and torch.isinf(fp16).any()
+    loss = _scalars(run, "loss")
+    assert [s for s, v in loss.items() if not math.isfinite(v)] == list(range(7, 13))
+
+    code, rep, _ = corpus.diagnose(run / "checkpoint-12")
+    p = rep["problems"][0]
+    assert code == 1 and p["kind"] == "forward_overflow" and p["module"] == WO
+    assert rep["replay"]["precision"] == "fp16"  # the history logs a loss scale
+    assert rep["replay"]["forward_first_bad"]["fp32_finite"] is True
+    fix = rep["recommendations"][0]
+    assert fix["override"] == f"precision.fp32_modules=[{WO}]"
+    assert "torch.autocast(device_type, enabled=False)" in fix["yours"]
+    assert rep["resume"]["checkpoint"] == str(run / "checkpoint-4")
+    _healthy(corpus, ok / "checkpoint-12")
 
 
 # ---------------------------------------------------------------------------- pytorch #55585
-def scheduler_loop(out: Path, *, fixed: bool, steps: int = 16) -> list[dict]:
-    """fp16 autocast + GradScaler(init_scale=2**24) with a 10-step linear warmup: the first
-    steps overflow and ``scaler.step`` skips ``optimizer.step``. ``fixed=False``: the loop of
-    pytorch #55585 / transformers #11106 (``scheduler.step()`` every iteration: the warmup
-    advances on skipped steps); ``fixed=True``: the scheduler steps only when the optimizer did
-    (the scale did not drop: the Trainer's fix, transformers #11144)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for step in range(1, steps + 1):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-        before = scaler.get_scale()
-        rows.append(
-            {
-                "step": step,
-                "loss": loss.item(),
-                "grad_norm": gn.item(),
-                "lr": sched.get_last_lr()[0],
-                "scale": before,
-            }
-        )
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if not fixed or scaler.get_scale() >= before:
-            sched.step()
-    out.mkdir(parents=True)
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scaler": scaler.state_dict(),
-            "lr_scheduler": sched.state_dict(),
-            "step": steps,
-        },
-        out / "ckpt.pt",
+def test_pytorch_55585_lr_scheduler_advances_on_skipped_steps(corpus):
+    """The warmup ran on while GradScaler skipped the optimizer: torch's warning, the broken
+    loop's lr at its peak at the first real step, the scheduler ahead of Adam's step count by
+    the skips; diagnose names it with the plain loop's line; the gated twin is healthy."""
+    bad, ok = corpus.run("scheduler-on-skips"), corpus.run("scheduler-gated")
+    (warning,) = _said(bad)
+    assert warning.startswith(
+        "UserWarning: Detected call of `lr_scheduler.step()` before `optimizer.step()`"
     )
-    _log(out, rows)
-    return rows
-
-
-def test_pytorch_55585_lr_scheduler_advances_on_skipped_steps(tmp_path):
-    """The warmup ran on while GradScaler skipped the optimizer: the broken loop's lr reached
-    its peak with one real step taken.
-
-    Not named by the verdict yet (both say "healthy: N isolated skipped steps"). It needs: in
-    the history, the learning rate changing across rows the scaler skipped (``History.rows``'
-    ``learning_rate`` against ``skipped_steps``); or, in the checkpoint, the scheduler's
-    ``last_epoch`` ahead of the optimizer's step count (Adam's ``state[i]["step"]``) by the
-    skipped steps. The fix in the plain loop's terms: ``if scaler.get_scale() >= scale_before:
-    scheduler.step()`` (the HF Trainer does this since transformers #11144)."""
-    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step"):
-        bad = scheduler_loop(tmp_path / "bad", fixed=False)  # the warning users reported
-    ok = scheduler_loop(tmp_path / "ok", fixed=True)
-    skipped = [r["step"] for r in bad if r["grad_norm"] != r["grad_norm"] or r["grad_norm"] > 1e30]
+    assert _said(ok) == []
+    grad_norm = _scalars(bad, "grad_norm")
+    skipped = [s for s, g in grad_norm.items() if not math.isfinite(g)]
     assert skipped == list(range(1, 10))  # the scale fell from 2**24 to 2**15
-    first_real = skipped[-1] + 1
-    assert bad[first_real - 1]["lr"] == pytest.approx(1e-2)  # the warmup is over already
-    assert ok[first_real - 1]["lr"] == pytest.approx(1e-3)  # the warmup's first step
-    state = torch.load(tmp_path / "bad" / "ckpt.pt", weights_only=True)
+    assert _scalars(bad, "lr")[10] == pytest.approx(1e-2)  # the warmup is over already
+    assert _scalars(ok, "lr")[10] == pytest.approx(1e-3)  # the warmup's first step
+    state = torch.load(bad / "ckpt.pt", weights_only=True)
     opt_steps = int(state["optimizer"]["state"][0]["step"])
     assert state["lr_scheduler"]["last_epoch"] - opt_steps == len(skipped)
 
-    for name in ("bad", "ok"):
-        code, rep, _ = diagnose_cli(tmp_path / name / "ckpt.pt")
-        h = rep["history"]
-        assert h["source"] == str(tmp_path / name / "tensorboard")
-        assert h["columns"]["learning_rate"] == "lr" and h["skipped_steps"] == skipped
-        if name == "ok":
-            assert code == 0 and rep["healthy"], rep["verdict"]
+    code, rep, _ = corpus.diagnose(bad / "ckpt.pt")
+    assert code == 1 and [p["kind"] for p in rep["problems"]] == ["scheduler_on_skipped_steps"]
+    assert rep["problems"][0]["message"].startswith(
+        "the lr scheduler stepped on 9 step(s) the GradScaler skipped (1–9): the lr moved from "
+        "0.001 to 0.01"
+    )
+    assert rep["history"]["columns"]["learning_rate"] == "lr"
+    assert _healthy(corpus, ok / "ckpt.pt")["history"]["skipped_steps"] == skipped
 
 
 # ---------------------------------------------------------------------------- pytorch #98828
-def growth_loop(out: Path, *, growth_interval: int, steps: int = 150) -> list[dict]:
-    """pytorch #98828's own loop: ``nn.Linear(5, 1)``, Adam, a loss near 1e-8, a GradScaler
-    with ``growth_interval=1``: the gradients never overflow, so the scale doubles every step.
-    torch >= 2.1 caps the growth (pytorch #98876) at 2**127, float32's largest power of two;
-    before, it became inf. The twin keeps the default ``growth_interval=2000``."""
-    torch.manual_seed(0)
-    net = torch.nn.Linear(5, 1)
-    opt = torch.optim.Adam(net.parameters())
-    scaler = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
-    rows = []
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        x, y = torch.randn(1, 5), 1e-4 * torch.randn(1, 1)
-        loss = ((net(x) - y) ** 2).mean()
-        scaler.scale(loss).backward()
-        rows.append({"step": step, "loss": loss.item(), "scale": scaler.get_scale()})
-        scaler.step(opt)
-        scaler.update()
-    out.mkdir(parents=True)
-    torch.save(
-        {"model": net.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict()},
-        out / "ckpt.pt",
-    )
-    _log(out, rows)
-    return rows
+def test_pytorch_98828_gradscaler_scale_grows_until_it_overflows(corpus):
+    """The scale doubled every step to float32's ceiling (capped by torch at 2**127, inf
+    before 2.1); diagnose names it and gives GradScaler's default interval back."""
+    bad, ok = corpus.run("scale-growth-1"), corpus.run("scale-growth-default")
+    scale = _scalars(bad, "scale")
+    assert [scale[s] for s in (1, 2, 3)] == [2.0**16, 2.0**17, 2.0**18]
+    assert max(scale.values()) == 2.0**127  # capped by torch, not inf
+    assert set(_scalars(ok, "scale").values()) == {65536.0}
 
-
-def test_pytorch_98828_gradscaler_scale_grows_until_it_overflows(tmp_path):
-    """The scale climbed to float32's ceiling and sits there (backing off and growing back).
-
-    Not named by the verdict yet (both twins get the same loss-trend verdict). It needs: a
-    scaler whose scale is at or near 2**127 (``state.scaler.scale``; in the history the
-    ``scale_trajectory`` reaching it), with ``growth_interval`` small: "the scale grew until
-    it overflowed float32 (pytorch #98828): the gradients never overflow at this loss; use the
-    default ``GradScaler(growth_interval=2000)``, or no GradScaler for bf16/fp32"."""
-    bad = growth_loop(tmp_path / "bad", growth_interval=1)
-    ok = growth_loop(tmp_path / "ok", growth_interval=2000)
-    ceiling = 2.0**127
-    assert max(r["scale"] for r in bad) == ceiling  # capped by torch, not inf
-    assert all(r["scale"] == 65536.0 for r in ok)
-
-    code, rep, _ = diagnose_cli(tmp_path / "bad" / "ckpt.pt")
-    assert rep["state"]["scaler"]["scale"] == ceiling
+    code, rep, _ = corpus.diagnose(bad / "ckpt.pt")
+    assert rep["state"]["scaler"]["scale"] == 2.0**127
     assert rep["state"]["scaler"]["growth_interval"] == 1
-    assert max(s for _, s in rep["history"]["scale_trajectory"]) == ceiling
-    code, rep, _ = diagnose_cli(tmp_path / "ok" / "ckpt.pt")
-    assert rep["state"]["scaler"]["scale"] == 65536.0
-    assert rep["history"]["scale_trajectory"] == [[1, 65536.0]]
-    assert code == 0 and not any(p["severity"] == "error" for p in rep["problems"])
+    assert code == 1 and [p["kind"] for p in rep["problems"]] == ["scale_at_ceiling"]
+    assert "(2^127)" in rep["problems"][0]["message"]
+    (fix,) = rep["recommendations"]
+    assert fix["override"] == "scaler.growth_interval=2000"
+    assert fix["yours"] == "torch.amp.GradScaler(growth_interval=2000)"
+    assert _healthy(corpus, ok / "ckpt.pt")["state"]["scaler"]["scale"] == 65536.0
+
+
+# ---------------------------------------------------------------------------- pytorch #157436
+def test_pytorch_157436_scale_collapses_to_5e_23_with_none_gradients_on_ranks(corpus):
+    """Two ranks (gloo): the other task's head has ``None`` gradients on each; averaged after
+    ``scaler.unscale_``, one rank's overflow reaches the other's weights unchecked, NaN comes
+    back, and both ranks' scales halve once per skipped step from 131072 to 5.29e-23 (2^-74,
+    the report's number); averaged before, both skip the one step and go on."""
+    bad, ok = corpus.run("ranks-unscaled-before-average"), corpus.run("ranks-averaged-first")
+    assert _said(bad) == ["rank 0: None gradients before averaging: params ['4', '5']"]
+    rank0 = torch.load(bad / "ckpt_101.pt", weights_only=True)
+    rank1 = torch.load(bad / "rank1-scaler.pt", weights_only=True)
+    assert rank0["scaler"]["scale"] == rank1["scale"] == 2.0**-74
+    assert f"{2.0**-74:.3g}" == "5.29e-23"
+    assert not torch.isfinite(rank0["model"]["trunk.0.weight"]).all()
+    scale, loss = _scalars(bad, "scale"), _scalars(bad, "loss")
+    assert scale[10] == 131072.0 and all(math.isfinite(loss[s]) for s in range(1, 12))
+    assert all(math.isnan(loss[s]) for s in range(12, 102))
+    assert all(scale[s] == 2 * scale[s + 1] for s in range(12, 101))  # one halving a step
+    for f in ("ckpt_101.pt", "rank1-scaler.pt"):
+        sc = torch.load(ok / f, weights_only=True)
+        assert sc.get("scaler", sc)["scale"] == 65536.0  # the one overflow, both ranks
+
+    code, rep, _ = corpus.diagnose(bad / "ckpt_101.pt")
+    p = rep["problems"][0]
+    assert code == 1 and p["kind"] == "unchecked_update"
+    assert "131072 to 5.29e-23: 91 halvings, one per skipped step" in p["message"]
+    assert "average the gradients before `scaler.unscale_(optimizer)`" in p["message"]
+    assert rep["recommendations"] == []  # neither the lr nor the precision
+    assert _healthy(corpus, ok / "ckpt_101.pt")["history"]["skipped_steps"] == [10]
+
+
+# ---------------------------------------------------------------------------- LLaVA #363
+def test_llava_363_attempting_to_unscale_fp16_gradients(corpus):
+    """Lightning's GradScaler refuses the fp16 head's gradients at the first step with the
+    report's message; the checkpoint Lightning saved on the exception holds fp16 weights and
+    no optimizer state; diagnose names it with the Lightning flag. The twin trains an fp32 head
+    over the same fp16 base (LLaVA's LoRA setup) and is healthy."""
+    pytest.importorskip("lightning")
+    bad, ok = corpus.run("fp16-trainable"), corpus.run("fp16-base-fp32-head")
+    assert _said(bad) == ["ValueError: Attempting to unscale FP16 gradients."]
+    ck = torch.load(bad / "checkpoints" / "on_exception.ckpt", weights_only=True)
+    assert ck["global_step"] == 0 and ck["optimizer_states"][0]["state"] == {}
+    assert {t.dtype for t in ck["state_dict"].values()} == {torch.float16}
+
+    code, rep, _ = corpus.diagnose(bad / "checkpoints" / "on_exception.ckpt")
+    (p,) = rep["problems"]
+    assert code == 1 and p["kind"] == "fp16_weights_under_scaler"
+    assert '"Attempting to unscale FP16 gradients"' in p["message"]
+    assert (
+        'fix: keep the weights you train in float32 under Trainer(precision="16-mixed")'
+        in (p["message"])
+    )
+    assert _said(ok) == []
+    twin = torch.load(ok / "checkpoints" / "epoch=0-step=6.ckpt", weights_only=True)
+    assert twin["state_dict"]["base.0.weight"].dtype == torch.float16
+    assert twin["state_dict"]["head.weight"].dtype == torch.float32
+    _healthy(corpus, ok / "checkpoints" / "epoch=0-step=6.ckpt")
+
+
+# ---------------------------------------------------------------------------- marin #7271
+def test_marin_7271_success_reported_with_a_checkpoint_poisoned_by_a_nan_backward(corpus):
+    """Step 13's loss is finite, its backward NaN, AdamW applies it; step 14's loss is NaN, the
+    loop stops, saves its final checkpoint and reports success. Diagnose names the poisoned
+    checkpoint, the NaN backward's step and the fix, and resumes from before it."""
+    bad, ok = corpus.run("nan-backward-saved"), corpus.run("no-padding")
+    assert _said(bad) == [
+        "NaN loss at step 14. Stopping training.",
+        "training finished at step 14: succeeded",
+    ]
+    loss, grad_norm = _scalars(bad, "loss"), _scalars(bad, "grad_norm")
+    assert math.isfinite(loss[13]) and math.isnan(grad_norm[13]) and max(loss) == 13
+    final = torch.load(bad / "ckpt_14.pt", weights_only=True)["model"]
+    assert all(torch.isnan(t).all() for t in final.values())
+    before = torch.load(bad / "ckpt_10.pt", weights_only=True)["model"]
+    assert all(torch.isfinite(t).all() for t in before.values())
+
+    code, rep, _ = corpus.diagnose(bad / "ckpt_14.pt")
+    p = rep["problems"][0]
+    assert code == 1 and p["kind"] == "poisoned_checkpoint" and p["step"] == 13
+    assert "the backward of step 13 made the NaN" in p["message"]
+    assert rep["resume"]["checkpoint"] == str(bad / "ckpt_10.pt")
+    assert _said(ok) == ["training finished at step 20: succeeded"]
+    _healthy(corpus, ok / "ckpt_20.pt")
 
 
 # ---------------------------------------------------------------------------- a bf16 spike
-def spike_loop(out: Path, *, bad_batch: int | None, steps: int = 24) -> list[dict]:
-    """bf16 autocast, AdamW, gradients clipped to norm 1: one batch ``1e3`` times too large
-    (a corrupt sample, a unit mistake) at ``bad_batch``; the twin has none."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for step in range(1, steps + 1):
-        x = torch.randn(4, 8, generator=g)
-        if step == bad_batch:
-            x = x * 1e3
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        rows.append({"step": step, "loss": loss.item(), "grad_norm": gn.item()})
-    out.mkdir(parents=True)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out / "ckpt.pt")
-    _log(out, rows)
-    return rows
-
-
-def test_bf16_loss_spike_from_one_bad_batch(tmp_path):
-    """Named today: the verdict says the run recovered from a single loss at the bad batch's
-    step (clipping kept the update bounded); the twin is healthy."""
-    bad = spike_loop(tmp_path / "bad", bad_batch=12)
-    ok = spike_loop(tmp_path / "ok", bad_batch=None)
-    assert bad[11]["loss"] > 1000 * max(r["loss"] for r in ok)  # the spike is real
-    assert bad[-1]["loss"] < 1.0  # and the run came back
-    code, rep, _ = diagnose_cli(tmp_path / "bad" / "ckpt.pt")
+def test_bf16_loss_spike_from_one_bad_batch(corpus):
+    """The verdict says the run recovered from a single loss at the bad batch's step
+    (clipping kept the update bounded); the twin is healthy."""
+    bad, ok = corpus.run("bf16-spike"), corpus.run("bf16-no-spike")
+    spiked, clean = _scalars(bad, "loss"), _scalars(ok, "loss")
+    assert spiked[12] > 1000 * max(clean.values())  # the spike is real
+    assert spiked[24] < 1.0  # and the run came back
+    code, rep, _ = corpus.diagnose(bad / "ckpt.pt")
     assert code == 0 and rep["verdict"]["status"] == "recovered", rep["verdict"]
-    assert (
-        "a single loss of" in rep["verdict"]["summary"]
-        and "at step 12" in rep["verdict"]["summary"]
-    )
-    code, rep, _ = diagnose_cli(tmp_path / "ok" / "ckpt.pt")
-    assert code == 0 and rep["verdict"]["status"] == "healthy", rep["verdict"]
+    assert "a single loss of" in rep["verdict"]["summary"]
+    assert "at step 12" in rep["verdict"]["summary"]
+    assert _healthy(corpus, ok / "ckpt.pt")["verdict"]["status"] == "healthy"

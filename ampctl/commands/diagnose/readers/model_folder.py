@@ -8,6 +8,7 @@ from pathlib import Path
 from .base import FileNote, Found, NotACheckpoint, is_pickled_by_design
 from .hf import hf_param_orders
 from .lazy import shapes_of
+from .plain import numbered_siblings, step_from_name
 from .weights import read_weight_files, weight_files
 
 __all__ = ["claims_folder", "read_folder"]
@@ -22,7 +23,8 @@ def claims_folder(folder: Path) -> bool:
 def read_folder(folder: Path, fmt: str) -> Found:
     """A folder of model weights (:func:`claims_folder`): its weights one tensor at a time,
     and with ``config.json`` its model (names, replay) as for a Trainer checkpoint."""
-    found = Found(format=fmt, path=folder)
+    found = Found(format=fmt, path=folder, siblings=numbered_siblings(folder))
+    step_from_name(found)  # save_pretrained(f"checkpoint-{step}") in a loop of one's own
     found.weights = read_weight_files(folder, found.files, found.problems)
     used = {n.file for n in found.files}
     if (folder / "config.json").is_file():

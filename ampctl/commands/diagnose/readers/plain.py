@@ -46,7 +46,8 @@ def _numbered_peers(path: Path) -> list[tuple[list[int], Path]]:
     pattern = re.compile("^" + _DIGITS.sub(r"(\\d+)", re.escape(path.name)) + r"\Z")
     out = []
     for p in path.parent.iterdir():
-        m = pattern.match(p.name) if p != path and p.is_file() else None
+        same = p.is_dir() if path.is_dir() else p.is_file()  # folders beside a folder
+        m = pattern.match(p.name) if p != path and same else None
         if m is not None:
             out.append(([int(g) for g in m.groups()], p))
     return out
@@ -63,6 +64,15 @@ def numbered_siblings(path: Path) -> list[Path]:
     nums = [int(n) for n in _DIGITS.findall(path.name)]
     lower = [(key, p) for key, p in _numbered_peers(path) if key < nums]
     return [p for _, p in sorted(lower, reverse=True)]
+
+
+def step_from_name(found: Found) -> None:
+    """A checkpoint that records no step, one of a numbered series (``ckpt_20.pt`` beside
+    ``ckpt_10.pt``, ``checkpoint-20/`` beside ``checkpoint-10/``): its number is its step."""
+    path = found.path
+    if found.step is None and numbered(path):
+        found.step = int(_DIGITS.findall(path.name)[-1])
+        found.notes.append(f"step: from the name ({path.name} records none)")
 
 
 def _order(sd: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -125,9 +135,7 @@ def from_object(obj: Any, path: Path) -> Found:
         if isinstance(v, int) and not isinstance(v, bool):
             found.step = v
             break
-    if found.step is None and numbered(path):  # ckpt_20.pt beside ckpt_10.pt: its number
-        found.step = int(_DIGITS.findall(path.name)[-1])
-        found.notes.append(f"step: from the file name ({path.name} records none)")
+    step_from_name(found)
     parts = [
         n for n, x in (("model", model), ("optimizer", opt), ("scaler", scaler)) if x is not None
     ]

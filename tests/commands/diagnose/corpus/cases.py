@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import accelerate_runs, ampctl_runs, hf, lightning_runs, torch_runs
+from . import accelerate_runs, ampctl_runs, hf, lightning_runs, torch_runs, upstream_runs
 
 KINDS = (
     "isolated skipped steps",
@@ -30,6 +30,14 @@ KINDS = (
     "NaN in the weights",
     "inf in the optimizer state",
     "recovered run",
+    # reported upstream (#40): each run named after the issue it reproduces
+    "T5 FFN `wo` past 65504 (transformers #5651)",
+    "lr scheduler on skipped steps (pytorch #55585, transformers #11106)",
+    "scale grown to float32's ceiling (pytorch #98828)",
+    "NaN past the GradScaler across ranks, scale to 5.3e-23 (pytorch #157436)",
+    "fp16 weights under a GradScaler (LLaVA #363, bitsandbytes #945)",
+    "success reported, checkpoint poisoned by a NaN backward (marin #7271)",
+    "bf16 loss spike from one bad batch",
 )
 FORMATS = ("HF Trainer", "Lightning", "Accelerate", "plain torch", "ampctl train", "ProtectedRun")
 
@@ -40,6 +48,7 @@ _NEEDS = {
     accelerate_runs: "accelerate",
     ampctl_runs: None,
     torch_runs: None,
+    upstream_runs: None,  # tensorboard, which [test] installs (their own needs: _RUN_NEEDS)
 }
 
 
@@ -200,6 +209,47 @@ CASES: tuple[Case, ...] = (
     Case("own/discarded", KINDS[10], FORMATS[5], "own-discarded",
          _back(None, "2 overflow(s) on steps a rollback discarded"), twin="own/healthy",
          note="hand-written #27 events"),
+    # --------------------------------------------------------------- reported upstream (#40)
+    Case("torch/t5-healthy", KINDS[11], FORMATS[3], "t5-healthy", _ok("checkpoint-12"),
+         path="checkpoint-12", note="transformers' T5, fp16 autocast, save_pretrained"),
+    Case("torch/t5-wo-overflow", KINDS[11], FORMATS[3], "t5-wo-overflow",
+         _bad("forward_overflow", "checkpoint-4", "precision.fp32_modules",
+              says="encoder.block.1.layer.1.DenseReluDense.wo is the first module"),
+         path="checkpoint-12", twin="torch/t5-healthy"),
+    Case("torch/scheduler-gated", KINDS[12], FORMATS[3], "scheduler-gated", _ok("ckpt.pt"),
+         path="ckpt.pt"),
+    Case("torch/scheduler-on-skips", KINDS[12], FORMATS[3], "scheduler-on-skips",
+         _bad("scheduler_on_skipped_steps", "ckpt.pt",
+              says="if scaler.get_scale() >= scale_before: scheduler.step()"),
+         path="ckpt.pt", twin="torch/scheduler-gated"),
+    Case("torch/growth-2000", KINDS[13], FORMATS[3], "scale-growth-default", _ok("ckpt.pt"),
+         path="ckpt.pt"),
+    Case("torch/growth-1", KINDS[13], FORMATS[3], "scale-growth-1",
+         _bad("scale_at_ceiling", "ckpt.pt", "scaler.growth_interval", says="(2^127)"),
+         path="ckpt.pt", twin="torch/growth-2000"),
+    Case("torch/ranks-averaged-first", KINDS[14], FORMATS[3], "ranks-averaged-first",
+         _ok("ckpt_101.pt"), path="ckpt_101.pt", note="2 ranks, gloo"),
+    Case("torch/ranks-averaged-after-unscale", KINDS[14], FORMATS[3],
+         "ranks-unscaled-before-average",
+         _bad("unchecked_update", None, says="131072 to 5.29e-23: 91 halvings"),
+         path="ckpt_101.pt", twin="torch/ranks-averaged-first"),
+    Case("lightning/fp16-base-fp32-head", KINDS[15], FORMATS[1], "fp16-base-fp32-head",
+         _ok("checkpoints/epoch=0-step=6.ckpt"), path="checkpoints/epoch=0-step=6.ckpt"),
+    Case("lightning/fp16-trained", KINDS[15], FORMATS[1], "fp16-trainable",
+         _bad("fp16_weights_under_scaler", "checkpoints/on_exception.ckpt",
+              says='Trainer(precision="16-mixed")'),
+         path="checkpoints/on_exception.ckpt", twin="lightning/fp16-base-fp32-head",
+         note="OnExceptionCheckpoint's .ckpt"),
+    Case("torch/no-padding", KINDS[16], FORMATS[3], "no-padding", _ok("ckpt_20.pt"),
+         path="ckpt_20.pt"),
+    Case("torch/nan-backward-saved", KINDS[16], FORMATS[3], "nan-backward-saved",
+         _bad("poisoned_checkpoint", "ckpt_10.pt", "guard.enabled",
+              says="error_if_nonfinite=True"),
+         path="ckpt_14.pt", twin="torch/no-padding"),
+    Case("torch/bf16-no-spike", KINDS[17], FORMATS[3], "bf16-no-spike", _ok("ckpt.pt"),
+         path="ckpt.pt"),
+    Case("torch/bf16-spike", KINDS[17], FORMATS[3], "bf16-spike",
+         _back("ckpt.pt", "a single loss of"), path="ckpt.pt", twin="torch/bf16-no-spike"),
 )  # fmt: skip
 
 BY_NAME = {c.name: c for c in CASES}
@@ -209,10 +259,11 @@ RUNS: dict[str, Any] = {
     **accelerate_runs.RUNS,
     **torch_runs.RUNS,
     **ampctl_runs.RUNS,
+    **upstream_runs.RUNS,
 }
 _MODULE = {
     name: mod
-    for mod in (hf, lightning_runs, accelerate_runs, torch_runs, ampctl_runs)
+    for mod in (hf, lightning_runs, accelerate_runs, torch_runs, ampctl_runs, upstream_runs)
     for name in mod.RUNS
 }
 #: Hand-written runs and the run each is made from.
@@ -220,8 +271,13 @@ _BASE = {name: "own-recovered" if "promotion" in name else "own-healthy"
          for name in ampctl_runs.HAND_WRITTEN}  # fmt: skip
 
 
-#: Runs that need an optional library beyond their writer's (fp8 runs: torchao, the fp8 extra).
-_RUN_NEEDS = {"ampctl-fp8-healthy": "torchao", "ampctl-fp8-saturated": "torchao"}
+#: Runs that need an optional library beyond their writer's (fp8 runs: torchao, the fp8 extra;
+#: the upstream runs of transformers and Lightning).
+_RUN_NEEDS = {
+    "ampctl-fp8-healthy": "torchao",
+    "ampctl-fp8-saturated": "torchao",
+    **upstream_runs.NEEDS,
+}
 
 
 def missing_library(run: str) -> str | None:
