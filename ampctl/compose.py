@@ -24,6 +24,7 @@ __all__ = [
     "parse_overrides",
     "expand_sweeps",
     "compose_preset",
+    "DEFAULTS",
     "OVERRIDE_FORMS",
     "SWEEP_FORMS",
 ]
@@ -114,17 +115,26 @@ def expand_sweeps(
     return out
 
 
-def compose_preset(preset: str, overrides: list[str], search_dirs: list[Path]) -> Any:
-    """Compose ``preset`` with ``overrides`` over ``search_dirs`` (first wins). Returns the
-    DictConfig (without its ``hydra`` node). Hydra's own exceptions propagate for the caller to
-    word: see :func:`hydra_errors`."""
+#: The config of every key at its default, in Hydra's ConfigStore (``conf/config.yaml`` lists it
+#: first in its defaults list, so that the YAML files hold only what they change).
+DEFAULTS = "ampctl_defaults"
+
+
+def compose_preset(
+    preset: str, overrides: list[str], search_dirs: list[Path], defaults: dict[str, Any]
+) -> Any:
+    """Compose ``preset`` with ``overrides`` over ``search_dirs`` (first wins), ``defaults``
+    stored as the config :data:`DEFAULTS`. Returns the DictConfig (without its ``hydra`` node).
+    Hydra's own exceptions propagate for the caller to word: see :func:`hydra_errors`."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
     from omegaconf import open_dict
 
     parse_overrides(overrides)  # name a malformed token before Hydra words it without one
+    ConfigStore.instance().store(name=DEFAULTS, node=defaults, provider="ampctl")
     search = create_config_search_path(None)
     for i, d in enumerate(reversed(search_dirs)):
         search.prepend(f"ampctl-{i}", f"file://{Path(d).expanduser().resolve()}")

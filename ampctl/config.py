@@ -8,7 +8,9 @@ every value against its allowed range. Any problem raises :class:`ConfigError` w
 one line naming the key and what is allowed.
 
 Each component owns its config: the dataclasses mirror the constructor arguments of the
-things they build (``ScalerConfig`` <-> ``LossScaler``), and validate in ``__post_init__``.
+things they build (``ScalerConfig`` <-> ``LossScaler``), hold the one copy of each default
+(composed first, from Hydra's ConfigStore: the YAML files list only what they change) and check
+their rule tables in ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def _compose(preset: str, overrides: list[str], config_dir: str | Path | None) -
     dirs = ([Path(config_dir)] if config_dir is not None else []) + [packaged_conf_dir()]
     err = hydra_errors()
     try:
-        return compose_preset(preset, overrides, dirs)
+        return compose_preset(preset, overrides, dirs, defaults())
     except err["parse"] as e:
         raise ConfigError(f"cannot parse override: {first_line(e)}; {OVERRIDE_FORMS}") from None
     except err["missing"] as e:
@@ -195,6 +197,14 @@ def _group_of(owner: str) -> str:
         if default is not None and type(default).__name__ == owner:
             return f.name
     return ""
+
+
+def defaults() -> dict[str, Any]:
+    """Every key at its default, as the dataclasses declare it: the config Hydra composes the
+    YAML files onto (:data:`ampctl.compose.DEFAULTS`). Plain data: the types and rules are
+    checked once, by :func:`config_from_dict`, so ``+key=``, ``~key`` and the errors of a
+    composition are those of plain YAML."""
+    return OmegaConf.to_container(OmegaConf.structured(RunConfig))  # type: ignore[return-value]
 
 
 def config_from_dict(raw: dict[str, Any] | DictConfig) -> RunConfig:

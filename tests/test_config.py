@@ -91,3 +91,47 @@ def test_config_dir_adds_presets_and_overrides_packaged_options(tmp_path: Path):
     assert cfg.trainer.max_steps == 7
     assert cfg.scaler.init_scale == 8.0 and cfg.scaler.hysteresis == 2
     assert load_config([]).scaler.hysteresis == 1  # without --config-dir: the packaged one
+
+
+def _group_defaults() -> dict:
+    from ampctl.config import defaults
+
+    return _leaves({k: v for k, v in defaults().items() if k != "model"})
+
+
+#: the key that names an option (``precision=fp16`` is ``name: fp16`` even where that is the default)
+_CHOICE_KEYS = {"data.kind", "optim.name", "precision.name"}
+
+
+@pytest.mark.parametrize(
+    "path", ["config.yaml"] + [f"{g}/{o}.yaml" for g, o in GROUP_OPTIONS if g != "model"]
+)
+def test_group_options_and_the_default_run_set_only_what_differs_from_the_dataclasses(path):
+    """Each default is written once, in its dataclass: a group option (and the default run) sets
+    a key only to change it. (Presets may pin a value against an option picked after them.)"""
+    prefix = "" if path == "config.yaml" else path.split("/")[0] + "."
+    dflt = _group_defaults()
+    for key, value in _leaves(_yaml(CONF / path), prefix).items():
+        assert key in dflt, (path, key)
+        assert value != dflt[key] or key in _CHOICE_KEYS, (path, key, value)
+
+
+def test_every_key_exists_before_validation_and_can_be_overridden(tmp_path: Path):
+    """The dataclasses' defaults are composed first (``ampctl_defaults``), so a key no YAML file
+    names is still a key: it takes ``key=value``, refuses ``+key=``; a preset of one's own that
+    starts from ``ampctl_defaults`` gets them too."""
+    from ampctl.config import ConfigError
+
+    cfg = load_config(["data.format=json", "precision.fp8_recipe=rowwise", "scaler.hysteresis=3"])
+    assert (cfg.data.format, cfg.precision.fp8_recipe, cfg.scaler.hysteresis) == (
+        "json",
+        "rowwise",
+        3,
+    )
+    with pytest.raises(ConfigError, match=r"^\+data.format: the key exists already"):
+        load_config(["+data.format=json"])
+    (tmp_path / "bare.yaml").write_text(
+        "defaults:\n  - ampctl_defaults\n  - model: bert_tiny\n  - _self_\n"
+    )
+    cfg = load_config(["conf=bare", "guard.spike_z=3"], config_dir=tmp_path)
+    assert (cfg.guard.spike_z, cfg.trainer.max_steps, cfg.data.vocab_size) == (3.0, 200, 1024)

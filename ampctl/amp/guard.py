@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import is_finite, is_int, need
+from .checks import check, integer, number, one_of
 
 __all__ = [
     "DIVERGENCE_ACTIONS",
@@ -78,58 +78,29 @@ FLOOR_POLICIES = ("fallback", "abort", "warn")
 class GuardRules:
     """The rules of :func:`decide` (``guard.*`` in a config)."""
 
-    rollback_after: int = 3
-    max_rollbacks: int = 5
+    rollback_after: int = 3  # overflows in a row before restoring the last good state (0: never)
+    max_rollbacks: int = 5  # rollbacks at one precision, then fall back to the next one
+    # more than skip_budget of the last skip_window steps skipped -> skip_action
     skip_budget: float = 0.5
     skip_window: int = 50
-    skip_action: str = "rollback"
+    skip_action: str = "rollback"  # rollback | fallback | abort | warn
+    # the scale at min_scale and still overflowing: fallback | abort | warn
     floor_policy: str = "fallback"
     fallback_chain: list[str] = field(default_factory=lambda: ["fp16", "bf16", "fp32"])
 
     def __post_init__(self) -> None:
-        need(
-            is_int(self.rollback_after) and self.rollback_after >= 0,
-            self,
-            "rollback_after",
-            self.rollback_after,
-            "an integer >= 0 (0 disables rollback)",
-        )
-        need(
-            is_int(self.max_rollbacks) and self.max_rollbacks >= 0,
-            self,
-            "max_rollbacks",
-            self.max_rollbacks,
-            "an integer >= 0",
-        )
-        need(
-            is_finite(self.skip_budget) and 0 < self.skip_budget <= 1,
-            self,
-            "skip_budget",
-            self.skip_budget,
-            "in (0, 1]",
-        )
-        need(
-            is_int(self.skip_window) and self.skip_window >= 1,
-            self,
-            "skip_window",
-            self.skip_window,
-            "an integer >= 1",
-        )
-        need(
-            self.skip_action in SKIP_ACTIONS,
-            self,
-            "skip_action",
-            self.skip_action,
-            f"one of {', '.join(SKIP_ACTIONS)}",
-        )
-        need(
-            self.floor_policy in FLOOR_POLICIES,
-            self,
-            "floor_policy",
-            self.floor_policy,
-            f"one of {', '.join(FLOOR_POLICIES)}",
-        )
+        check(self, _RULES)
         self.fallback_chain = list(self.fallback_chain)
+
+
+_RULES = (
+    ("rollback_after", integer(ge=0), "an integer >= 0 (0 disables rollback)"),
+    ("max_rollbacks", integer(ge=0), "an integer >= 0"),
+    ("skip_budget", number(gt=0, le=1), "in (0, 1]"),
+    ("skip_window", integer(ge=1), "an integer >= 1"),
+    ("skip_action", one_of(SKIP_ACTIONS), f"one of {', '.join(SKIP_ACTIONS)}"),
+    ("floor_policy", one_of(FLOOR_POLICIES), f"one of {', '.join(FLOOR_POLICIES)}"),
+)
 
 
 # What a precision that is not in the fallback chain may fall back to: only the chain's entries

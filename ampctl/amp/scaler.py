@@ -103,14 +103,14 @@ class ScalerConfig:
     """``scaler.*``: the arguments of :class:`LossScaler`, checked by LossScaler's own rules
     (one place for each rule)."""
 
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
+    init_scale: float = 2.0**16  # the starting loss scale
+    growth_factor: float = 2.0  # the scale grows by this after growth_interval clean steps
+    backoff_factor: float = 0.5  # ... and is multiplied by this on a (counted) overflow
     growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-    history_size: int = 1024
+    hysteresis: int = 1  # overflows tolerated before backing off; refilled when the scale grows
+    min_scale: float = 1.0  # the floor (guard.floor_policy acts there)
+    max_scale: float = 2.0**24  # the ceiling
+    history_size: int = 1024  # step records kept on the device
 
     def __post_init__(self) -> None:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ampctl.amp.checks import is_finite, is_int, need
+from ampctl.amp.checks import boolean, check, integer, is_int, nonblank, number, one_of, optional
 from ampctl.amp.fp8 import DemoteRules
 from ampctl.amp.guard import DIVERGENCE_ACTIONS, DivergenceRules, GuardRules
 from ampctl.amp.precision import PRECISIONS
@@ -25,27 +25,39 @@ WANDB_MODES = ("offline", "online")
 @dataclass(kw_only=True)
 class GuardConfig(GuardRules):
     """``guard.*``: the rules of :class:`~ampctl.amp.guard.GuardRules` plus how they are carried
-    out (attribution, forward locate and promotion, rollback's scale cut, snapshots)."""
+    out (attribution, forward locate and promotion, rollback's scale cut, snapshots), the fp8
+    demotion, spike, divergence and rerun rules. Each field's default is the one ampctl runs with
+    (``guard=default``); ``conf/guard/off.yaml`` lists what ``guard=off`` turns off."""
 
-    enabled: bool = True
-    attribution: bool = True
-    attribution_limit: int = 5
-    locate_forward: bool = True
-    promote: bool = True
-    rollback_backoff: float = 0.25
-    snapshot_every: int = 10
+    enabled: bool = True  # the whole guard (false: the scaler's skip-and-back-off only)
+    attribution: bool = True  # name the parameters with non-finite gradients on skipped steps,
+    attribution_limit: int = 5  # ... at most this many
+    locate_forward: bool = True  # replay a forward overflow with hooks: the first bad module
+    promote: bool = True  # move that module to fp32 and go on
+    rollback_backoff: float = 0.25  # the scale is multiplied by this after a rollback
+    snapshot_every: int = 10  # clean steps between in-memory good-state snapshots (0: none)
+    # precision=fp8: demote a layer to bf16 when its casts go non-finite (a skipped step is
+    # replayed with the cast probe to find it) or when, at log steps, the share of a cast's
+    # values at the fp8 max (sat) or of its nonzero values flushed to 0 (under) is above its
+    # threshold at fp8_patience log steps in a row
     fp8_demote: bool = True
     fp8_sat_threshold: float = 0.10
     fp8_under_threshold: float = 0.01
     fp8_patience: int = 3
     # the spike rule (protect/spike.py): skip a step whose loss (or grad norm) is more than
-    # spike_z standard deviations above the mean of the last spike_window clean steps
+    # spike_z standard deviations above the mean of the last spike_window clean steps (OLMo-core's
+    # rule and factor), once spike_min_steps clean steps are in the window (None: spike_window)
     spike: bool = True
     spike_z: float = 6.0
     spike_window: int = 128
-    spike_min_steps: int | None = 32  # clean steps before the rule acts (None: spike_window)
+    spike_min_steps: int | None = 32
+    # also the gradient norm, where the loop reports it unclipped (a clipped step is judged by
+    # its loss: its size is bounded whatever its norm)
     spike_grad_norm: bool = True
-    # the divergence rule (amp/guard.py DivergenceRules), judged on the log rows' loss
+    # the divergence rule (amp/guard.py DivergenceRules), judged on the log rows' loss: the
+    # median of the last divergence_patience rows above divergence_factor x its lowest, or
+    # giving back 3/4 of real progress; then divergence_action: stop (status diverged, exit 1)
+    # | rollback (with the lr multiplied by divergence_lr_cut) | warn
     divergence: bool = True
     divergence_factor: float = 5.0
     divergence_patience: int = 3
@@ -59,115 +71,7 @@ class GuardConfig(GuardRules):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for f, allowed in (
-            ("fp8_sat_threshold", "a fraction in [0, 1]"),
-            ("fp8_under_threshold", "a fraction in [0, 1]"),
-        ):
-            v = getattr(self, f)
-            need(is_finite(v) and 0 <= v <= 1, self, f, v, allowed)
-        need(
-            is_int(self.fp8_patience) and self.fp8_patience >= 1,
-            self,
-            "fp8_patience",
-            self.fp8_patience,
-            "an integer >= 1 (log steps in a row above a threshold)",
-        )
-        need(
-            is_int(self.attribution_limit) and self.attribution_limit >= 1,
-            self,
-            "attribution_limit",
-            self.attribution_limit,
-            "an integer >= 1",
-        )
-        need(
-            is_finite(self.rollback_backoff) and 0 < self.rollback_backoff <= 1,
-            self,
-            "rollback_backoff",
-            self.rollback_backoff,
-            "in (0, 1]",
-        )
-        bad = [p for p in self.fallback_chain if p not in PRECISIONS]
-        need(
-            not bad,
-            self,
-            "fallback_chain",
-            list(self.fallback_chain),
-            f"a list of {', '.join(PRECISIONS)}",
-        )
-        need(isinstance(self.spike, bool), self, "spike", self.spike, "true or false")
-        need(
-            is_finite(self.spike_z) and self.spike_z > 0,
-            self,
-            "spike_z",
-            self.spike_z,
-            "a number > 0 (standard deviations above the window's mean)",
-        )
-        need(
-            is_int(self.spike_window) and 2 <= self.spike_window <= 4096,
-            self,
-            "spike_window",
-            self.spike_window,
-            "an integer in [2, 4096] (clean steps; at most scaler.history_size are kept)",
-        )
-        need(
-            self.spike_min_steps is None
-            or (is_int(self.spike_min_steps) and 2 <= self.spike_min_steps <= self.spike_window),
-            self,
-            "spike_min_steps",
-            self.spike_min_steps,
-            f"null or an integer in [2, spike_window={self.spike_window}]",
-        )
-        need(
-            isinstance(self.spike_grad_norm, bool),
-            self,
-            "spike_grad_norm",
-            self.spike_grad_norm,
-            "true or false",
-        )
-        for f in ("divergence", "rerun"):
-            need(isinstance(getattr(self, f), bool), self, f, getattr(self, f), "true or false")
-        need(
-            is_finite(self.divergence_factor) and self.divergence_factor > 1,
-            self,
-            "divergence_factor",
-            self.divergence_factor,
-            "a number > 1 (times the lowest log-row loss)",
-        )
-        need(
-            is_int(self.divergence_patience) and self.divergence_patience >= 1,
-            self,
-            "divergence_patience",
-            self.divergence_patience,
-            "an integer >= 1 (log rows in a row)",
-        )
-        need(
-            self.divergence_action in DIVERGENCE_ACTIONS,
-            self,
-            "divergence_action",
-            self.divergence_action,
-            f"one of {', '.join(DIVERGENCE_ACTIONS)}",
-        )
-        need(
-            is_finite(self.divergence_lr_cut) and 0 < self.divergence_lr_cut < 1,
-            self,
-            "divergence_lr_cut",
-            self.divergence_lr_cut,
-            "in (0, 1) (the lr multiplier of a rollback for divergence)",
-        )
-        need(
-            is_int(self.skip_batches) and self.skip_batches >= 0,
-            self,
-            "skip_batches",
-            self.skip_batches,
-            "an integer >= 0 (0: no data skipped after a rollback)",
-        )
-        need(
-            is_int(self.snapshot_every) and self.snapshot_every >= 0,
-            self,
-            "snapshot_every",
-            self.snapshot_every,
-            "an integer >= 0 (0: no snapshots)",
-        )
+        check(self, _GUARD_RULES)
 
     @property
     def rules(self) -> GuardRules:
@@ -198,44 +102,65 @@ class LoggingConfig:
     ``mlflow_uri`` None: a SQLite store in the run folder; ``wandb_mode`` offline: nothing
     leaves the machine (:mod:`ampctl.ui.mlflow_sink`, :mod:`ampctl.ui.wandb_sink`)."""
 
-    tensorboard: bool = False
-    mlflow: bool = False
-    mlflow_uri: str | None = None
+    tensorboard: bool = False  # needs the tensorboard package
+    mlflow: bool = False  # needs ampctl[mlflow]; a SQLite store in the run folder unless:
+    mlflow_uri: str | None = None  # http://host:5000, sqlite:///runs/mlruns.db, databricks
     mlflow_experiment: str = "ampctl"
-    wandb: bool = False
-    wandb_mode: str = "offline"
+    wandb: bool = False  # needs ampctl[wandb]; written under the run folder (wandb/), no network
+    wandb_mode: str = "offline"  # offline | online (needs `wandb login` or WANDB_API_KEY)
     wandb_project: str = "ampctl"
-    plot: bool = True
-    act_grads: bool = True
+    plot: bool = True  # write plot.png at the end when matplotlib is installed
+    act_grads: bool = True  # sample the underflow on log steps (hooks; no extra host read)
     # leaf modules the probe hooks per log step, in turn (0: all of them, every log step)
     act_grad_layers: int = 8
 
     def __post_init__(self) -> None:
-        for k in ("tensorboard", "mlflow", "wandb", "plot", "act_grads"):
-            v = getattr(self, k)
-            need(isinstance(v, bool), self, k, v, "true or false")
-        u = self.mlflow_uri
-        need(
-            u is None or (isinstance(u, str) and u.strip() != ""),
-            self,
-            "mlflow_uri",
-            u,
-            "null (a store in the run folder) or a tracking URI",
-        )
-        for k in ("mlflow_experiment", "wandb_project"):
-            v = getattr(self, k)
-            need(isinstance(v, str) and v.strip() != "", self, k, v, "a non-empty name")
-        need(
-            self.wandb_mode in WANDB_MODES,
-            self,
-            "wandb_mode",
-            self.wandb_mode,
-            " or ".join(WANDB_MODES),
-        )
-        need(
-            is_int(self.act_grad_layers) and self.act_grad_layers >= 0,
-            self,
-            "act_grad_layers",
-            self.act_grad_layers,
-            "an integer >= 0 (0: every leaf module on every log step)",
-        )
+        check(self, _LOGGING_RULES)
+
+
+_FRACTION = (number(ge=0, le=1), "a fraction in [0, 1]")
+_GUARD_RULES = (
+    ("fp8_sat_threshold fp8_under_threshold", *_FRACTION),
+    ("fp8_patience", integer(ge=1), "an integer >= 1 (log steps in a row above a threshold)"),
+    ("attribution_limit", integer(ge=1), "an integer >= 1"),
+    ("rollback_backoff", number(gt=0, le=1), "in (0, 1]"),
+    (
+        "fallback_chain",
+        lambda v, _: all(p in PRECISIONS for p in v),
+        f"a list of {', '.join(PRECISIONS)}",
+    ),
+    ("spike", boolean, "true or false"),
+    ("spike_z", number(gt=0), "a number > 0 (standard deviations above the window's mean)"),
+    (
+        "spike_window",
+        integer(ge=2, le=4096),
+        "an integer in [2, 4096] (clean steps; at most scaler.history_size are kept)",
+    ),
+    (
+        "spike_min_steps",
+        optional(lambda v, c: is_int(v) and 2 <= v <= c.spike_window),
+        lambda c: f"null or an integer in [2, spike_window={c.spike_window}]",
+    ),
+    ("spike_grad_norm divergence rerun", boolean, "true or false"),
+    ("divergence_factor", number(gt=1), "a number > 1 (times the lowest log-row loss)"),
+    ("divergence_patience", integer(ge=1), "an integer >= 1 (log rows in a row)"),
+    ("divergence_action", one_of(DIVERGENCE_ACTIONS), f"one of {', '.join(DIVERGENCE_ACTIONS)}"),
+    (
+        "divergence_lr_cut",
+        number(gt=0, lt=1),
+        "in (0, 1) (the lr multiplier of a rollback for divergence)",
+    ),
+    ("skip_batches", integer(ge=0), "an integer >= 0 (0: no data skipped after a rollback)"),
+    ("snapshot_every", integer(ge=0), "an integer >= 0 (0: no snapshots)"),
+)
+_LOGGING_RULES = (
+    ("tensorboard mlflow wandb plot act_grads", boolean, "true or false"),
+    ("mlflow_uri", optional(nonblank), "null (a store in the run folder) or a tracking URI"),
+    ("mlflow_experiment wandb_project", nonblank, "a non-empty name"),
+    ("wandb_mode", one_of(WANDB_MODES), " or ".join(WANDB_MODES)),
+    (
+        "act_grad_layers",
+        integer(ge=0),
+        "an integer >= 0 (0: every leaf module on every log step)",
+    ),
+)

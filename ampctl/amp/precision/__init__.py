@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampctl.amp.checks import need
+from ampctl.amp.checks import check, one_of
 from ampctl.amp.formats import FP16_MAX, FP16_SUBNORMAL, FP16_TINY, dtype_max
 from ampctl.amp.fp8 import DEFAULT_EXCLUDE, RECIPES
 from ampctl.amp.scaler import LossScaler
@@ -63,37 +63,31 @@ class PrecisionConfig:
     plugin's recipe and the layers it keeps out of fp8 (used by precision=fp8 only)."""
 
     name: str = "fp16"
-    fp32_modules: list[str] = field(default_factory=list)
+    fp32_modules: list[str] = field(default_factory=list)  # fnmatch patterns of module names
+    # fp8: tensorwise (one dynamic scale per tensor) | rowwise (per row, e4m3 only)
     fp8_recipe: str = "tensorwise"
+    # fp8: kept out of fp8 (a module's pattern covers the layers inside it): embeddings, the LM
+    # head / MLM decoder and classifiers, whose outputs are the most sensitive
     fp8_exclude: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDE))
 
     def __post_init__(self) -> None:
-        need(
-            self.name in PRECISIONS,
-            self,
-            "name",
-            self.name,
-            f"one of {', '.join(PRECISIONS)} (select with precision=NAME)",
-        )
-        need(
-            self.fp8_recipe in RECIPES,
-            self,
-            "fp8_recipe",
-            self.fp8_recipe,
-            f"one of {', '.join(RECIPES)}",
-        )
-        need(
-            all(isinstance(p, str) and p for p in self.fp8_exclude),
-            self,
-            "fp8_exclude",
-            list(self.fp8_exclude),
-            "a list of non-empty fnmatch patterns over module names, e.g. ['*lm_head*']",
-        )
+        check(self, _RULES)
         self.fp8_exclude = list(self.fp8_exclude)
 
     def options(self) -> dict[str, Any]:
         """The plugins' own constructor arguments (see :func:`make_precision`)."""
         return {"recipe": self.fp8_recipe, "exclude": list(self.fp8_exclude)}
+
+
+_RULES = (
+    ("name", one_of(PRECISIONS), f"one of {', '.join(PRECISIONS)} (select with precision=NAME)"),
+    ("fp8_recipe", one_of(RECIPES), f"one of {', '.join(RECIPES)}"),
+    (
+        "fp8_exclude",
+        lambda v, _: all(isinstance(p, str) and p for p in v),
+        "a list of non-empty fnmatch patterns over module names, e.g. ['*lm_head*']",
+    ),
+)
 
 
 def make_precision(
