@@ -63,7 +63,7 @@ from ampctl.protect.loss import ForwardLoss, default_forward
 from ampctl.protect.replays import Replays
 from ampctl.protect.settings import GuardConfig
 from ampctl.protect.snapshot import Snapshot
-from ampctl.protect.spike import SpikeRule
+from ampctl.amp.spike import SpikeRule
 from ampctl.protect.switch import switch_precision
 
 __all__ = ["Protection", "Rewind", "TrainAborted", "TrainDiverged"]
