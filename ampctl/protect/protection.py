@@ -59,11 +59,11 @@ from ampctl.amp.guard import Action, Decision, DivergenceWatch, OverflowGuard
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
 from ampctl.amp.precision import Precision, bf16_supported
 from ampctl.amp.scaler import LossScaler
+from ampctl.amp.spike import SpikeRule
 from ampctl.protect.loss import ForwardLoss, default_forward
 from ampctl.protect.replays import Replays
 from ampctl.protect.settings import GuardConfig
 from ampctl.protect.snapshot import Snapshot
-from ampctl.amp.spike import SpikeRule
 from ampctl.protect.switch import switch_precision
 
 __all__ = ["Protection", "Rewind", "TrainAborted", "TrainDiverged"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ampctl.amp import records as rec
-from ampctl.protect.figures import DeviceFigures
 from ampctl.amp.spike import SpikeRule, WindowStats, _stats
+from ampctl.protect.figures import DeviceFigures
 from tests.protect.recorded import row, scaler_with
 
 INF, NAN = math.inf, math.nan
