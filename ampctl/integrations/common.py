@@ -103,6 +103,8 @@ class RunOptions:
             )
         try:
             return options if options is not None else cls(**fields)
+        except _KeyNamed:
+            raise  # its message names the key (``guard.skip_budget=...``)
         except IntegrationError as e:
             raise IntegrationError(f"{who}: {e}") from None
 
@@ -144,7 +146,11 @@ def _fields_arg(cls: type, value: Any, arg: str) -> Any:
     try:
         return cls(**value)
     except FieldError as e:
-        raise IntegrationError(e.named(arg)) from None
+        raise _KeyNamed(e.named(arg)) from None
+
+
+class _KeyNamed(IntegrationError):
+    """A config field refused, its message naming the key (``logging.wandb_mode=...``)."""
 
 
 class SchedulerProgress:

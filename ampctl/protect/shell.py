@@ -219,7 +219,7 @@ class RunShell:
     def plot(self) -> Path | str:
         """``plot.png`` into the run folder, and to the sinks; a one-line reason instead when
         there is none (no matplotlib, nothing to draw, a failed write). No device read."""
-        from ampctl.commands.plot import maybe_plot_run
+        from ampctl.ui.plot import maybe_plot_run
 
         got = maybe_plot_run(self.run_dir)
         if isinstance(got, Path) and self.log is not None:

@@ -295,18 +295,19 @@ def build_run_figure(
     baseline: str | Path | Sequence[str | Path] | None = None,
     *,
     branches: bool = True,
+    foreign: Any = None,
 ) -> Figure:
     """The run's figure (matplotlib Figure on an Agg canvas). Panels, top to bottom, sharing
     the step axis: loss (the baselines' -- one run or several -- and the discarded branches'
     overlaid), loss scale (log2, skipped steps marked), overflow rate (overflow events as
     ticks), grad norm with the parameter- and activation-gradient underflow fractions on a
-    second y-axis. Raises UsageError for bad folders and
-    PlotUnavailable without matplotlib. No device reads."""
+    second y-axis. ``foreign``: as :func:`~.run_data.load_run_data`'s. Raises UsageError for
+    bad folders and PlotUnavailable without matplotlib. No device reads."""
     Figure, FigureCanvasAgg = _mpl()
     from matplotlib.ticker import MaxNLocator
 
-    data = load_run_data(run_dir)
-    bases = [load_run_data(b) for b in _as_list(baseline)]
+    data = load_run_data(run_dir, foreign)
+    bases = [load_run_data(b, foreign) for b in _as_list(baseline)]
     fig = Figure(figsize=(10, 9.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale, ax_rate, ax_gn = fig.subplots(
@@ -362,6 +363,7 @@ def plot_run(
     out: str | Path | None = None,
     baseline: str | Path | Sequence[str | Path] | None = None,
     notes: list[str] | None = None,
+    foreign: Any = None,
 ) -> Path:
     """Draw a run folder into ``out`` (default ``<run>/plot.png``); returns the path. Written
     atomically (a temp file renamed over the target). ``notes``, when given, receives one line
@@ -369,7 +371,7 @@ def plot_run(
     run_dir = Path(run_dir)
     if out is not None:
         _check_out(Path(out))  # before any drawing
-    fig = build_run_figure(run_dir, baseline=baseline)
+    fig = build_run_figure(run_dir, baseline=baseline, foreign=foreign)
     if notes is not None:
         notes.extend(fig.ampctl_notes)
     return _save(fig, Path(out) if out is not None else run_dir / "plot.png")
