@@ -167,7 +167,7 @@ def _own(run_dir: Path, console: Console) -> RunLock:
 def _train_in(
     cfg, run_dir: Path, ck, fork: bool, ctx, mode: str, console, lock, overrides: list[str]
 ) -> int:
-    from ampctl.protect.records import write_config
+    from ampctl.protect.shell import write_config
     from ampctl.train.trainer import Trainer
     from ampctl.ui.display import Display
 

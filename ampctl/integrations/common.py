@@ -43,8 +43,8 @@ class IntegrationError(UsageError):
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """The options every integration takes (``ProtectedRun``, ``AmpctlCallback``,
-    ``protect_trainer``), declared and checked here once; each takes them as keywords.
+    """The options every integration takes as keywords (``ProtectedRun``, ``AmpctlCallback``,
+    ``protect_trainer``), declared and checked here once.
 
     Args:
         guard: a :class:`~ampctl.protect.settings.GuardConfig` or a mapping of its fields.
@@ -86,31 +86,22 @@ class RunOptions:
         object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
 
     @classmethod
-    def given(cls, who: str, options: RunOptions | None, fields: Mapping[str, Any]) -> RunOptions:
-        """The options ``who`` was given: ``options``, or its fields as keywords (not both);
-        an unknown keyword is a ``TypeError`` naming ``who`` and the ones allowed."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(fields) - set(names))
+    def given(cls, who: str, fields: Mapping[str, Any]) -> RunOptions:
+        """The options ``who`` was given as keywords, checked; an unknown one is a
+        ``TypeError``, as Python's own."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise TypeError(
-                f"{who}() got an unexpected keyword argument {unknown[0]!r}; its options are "
-                f"{', '.join(names)}"
-            )
-        if options is not None and fields:
-            raise IntegrationError(
-                f"{who}: options= and {', '.join(sorted(fields))}= given together; pass the "
-                "options one way"
-            )
+            raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
         try:
-            return options if options is not None else cls(**fields)
+            return cls(**fields)
         except _KeyNamed:
             raise  # its message names the key (``guard.skip_budget=...``)
         except IntegrationError as e:
             raise IntegrationError(f"{who}: {e}") from None
 
-    def but(self, **changes: Any) -> RunOptions:
-        """These options with ``changes`` (checked again)."""
-        return dataclasses.replace(self, **changes)
+    def keywords(self, **changes: Any) -> dict[str, Any]:
+        """These options as keywords (for ``ProtectedRun(...)``), with ``changes``."""
+        return {**vars(self), **changes}
 
 
 def check_counts(who: str = "", **counts: int | None) -> None:

@@ -50,7 +50,14 @@ from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import TrainAborted
 from ampctl.protect.switch import switch_precision
 
-from .common import IntegrationError, RunOptions, SchedulerProgress, require, share_flags
+from .common import (
+    IntegrationError,
+    RunOptions,
+    SchedulerProgress,
+    param_device,
+    require,
+    share_flags,
+)
 from .protected_run import LoopInfo, ProtectedRun
 
 require("lightning", "lightning", "ampctl.integrations.lightning")
@@ -83,12 +90,6 @@ def _precision_name(precision: Any, who: str) -> str:
             "fp32 (or Lightning's 16-mixed, bf16-mixed, 32-true)"
         )
     return name
-
-
-def _module_device_type(model: nn.Module) -> str:
-    for p in model.parameters():
-        return p.device.type
-    return "cpu"
 
 
 class AmpctlPrecision(MixedPrecision):
@@ -158,7 +159,7 @@ class AmpctlPrecision(MixedPrecision):
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]):
         if not self._device_given:
-            self.device = _module_device_type(model)
+            self.device = param_device(model).type
             self.amp.device_type = self.device
         share_flags(self.scaler)  # ranks skip the same steps
         return super().connect(model, optimizers, lr_schedulers)
@@ -230,10 +231,10 @@ class AmpctlCallback(Callback):
         forward: ``forward(module, batch) -> loss`` for the forward-overflow replay (default:
             :func:`lightning_forward`).
         skip_aware_lr: step-interval lr schedulers do not advance on skipped steps.
-        options: the run's options (:class:`~ampctl.integrations.common.RunOptions`), or its
-            fields as keywords: ``guard``, ``log_every`` (default: ``log_every_n_steps``),
-            ``display`` (None: no display, Lightning's bar stays), ``fp32_modules`` (submodule
-            names), ``overflow_window``, ``tensorboard``, ``logging``.
+        options: :class:`~ampctl.integrations.common.RunOptions`: ``guard``, ``log_every``
+            (default: ``log_every_n_steps``), ``display`` (None: no display, Lightning's bar
+            stays), ``fp32_modules`` (submodule names), ``overflow_window``, ``tensorboard``,
+            ``logging``.
     """
 
     def __init__(
@@ -244,10 +245,9 @@ class AmpctlCallback(Callback):
         scaler: LossScaler | None = None,
         forward: ForwardLoss | None = None,
         skip_aware_lr: bool = True,
-        options: RunOptions | None = None,
-        **fields: Any,
+        **options: Any,
     ) -> None:
-        self.options = RunOptions.given("AmpctlCallback", options, fields)
+        self.options = RunOptions.given("AmpctlCallback", options)
         self.run_dir = Path(run_dir)
         self.precision = None if precision is None else _precision_name(precision, "AmpctlCallback")
         self.scaler = scaler
@@ -327,7 +327,7 @@ class AmpctlCallback(Callback):
             max_steps=max_steps,
             forward=self.forward,
             progress=SchedulerProgress(lambda: [c.scheduler for c in trainer.lr_scheduler_configs]),
-            options=self.options.but(log_every=self.options.log_every or trainer.log_every_n_steps),
+            **self.options.keywords(log_every=self.options.log_every or trainer.log_every_n_steps),
             loop=LoopInfo(
                 framework="lightning",
                 config={

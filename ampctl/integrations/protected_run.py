@@ -65,8 +65,7 @@ from ampctl.protect.figures import DeviceFigures, LogWindow
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted
-from ampctl.protect.records import write_config
-from ampctl.protect.shell import RunShell, Shelled
+from ampctl.protect.shell import RunShell, Shelled, write_config
 from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
 from ampctl.runlog.lock import RunLock, lock_run
 
@@ -157,10 +156,9 @@ class ProtectedRun(Shelled):
         progress: what a rollback rewinds besides weights, optimizer state and scale (an object
             with ``state_dict`` / ``load_state_dict``, e.g. the lr scheduler).
         loop: how the loop around the run behaves (:class:`LoopInfo`; integrations set it).
-        options: the run's options (:class:`~ampctl.integrations.common.RunOptions`), or its
-            fields as keywords: ``guard``, ``log_every`` (default 10), ``overflow_window``,
-            ``display``, ``fp32_modules``, ``tensorboard``, ``logging`` (``plot`` true by
-            default there: ``plot.png`` at :meth:`finish`, when matplotlib is installed).
+        options: :class:`~ampctl.integrations.common.RunOptions`: ``guard``, ``log_every``
+            (default 10), ``overflow_window``, ``display``, ``fp32_modules``, ``tensorboard``,
+            ``logging`` (``plot`` true by default there: ``plot.png`` at :meth:`finish`).
     """
 
     def __init__(
@@ -175,11 +173,10 @@ class ProtectedRun(Shelled):
         forward: ForwardLoss | None = None,
         progress: Any = None,
         loop: LoopInfo | None = None,
-        options: RunOptions | None = None,
-        **fields: Any,
+        **options: Any,
     ) -> None:
         check_counts("ProtectedRun", max_steps=max_steps)
-        self.options = opts = RunOptions.given("ProtectedRun", options, fields)
+        self.options = opts = RunOptions.given("ProtectedRun", options)
         self.model = model
         self.run_dir = Path(run_dir)
         self.loop = loop or LoopInfo()

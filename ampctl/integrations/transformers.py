@@ -87,10 +87,9 @@ class AmpctlTrainerCallback(TrainerCallback):
         run_dir: str | Path,
         *,
         skip_aware_lr: bool = True,
-        options: RunOptions | None = None,
-        **fields: Any,
+        **options: Any,
     ) -> None:
-        self.options = RunOptions.given("AmpctlTrainerCallback", options, fields)
+        self.options = RunOptions.given("AmpctlTrainerCallback", options)
         self.trainer = trainer
         self.skip_aware_lr = skip_aware_lr
         self.run_dir = Path(run_dir)
@@ -119,7 +118,7 @@ class AmpctlTrainerCallback(TrainerCallback):
             run_dir=self.run_dir,
             max_steps=state.max_steps if state.max_steps and state.max_steps > 0 else None,
             progress=SchedulerProgress(lambda: [s for s in [tr.lr_scheduler] if s is not None]),
-            options=opts.but(
+            **opts.keywords(
                 log_every=opts.log_every or max(int(args.logging_steps), 1),
                 logging=opts.logging if opts.logging is not None else _reported(args),
             ),
@@ -248,8 +247,7 @@ def protect_trainer(
     *,
     scaler: LossScaler | None = None,
     skip_aware_lr: bool = True,
-    options: RunOptions | None = None,
-    **fields: Any,
+    **options: Any,
 ) -> AmpctlTrainerCallback:
     """Give ``trainer`` ampctl's LossScaler, guard and run folder (module docstring); returns the
     callback (its ``run`` is the :class:`~ampctl.integrations.ProtectedRun` once training starts).
@@ -260,8 +258,8 @@ def protect_trainer(
         scaler: the LossScaler (default: ampctl's defaults with the Trainer's precision).
         skip_aware_lr: the lr scheduler does not advance on skipped steps, also with a fused
             optimizer (one host read per step there).
-        options: the run's options (:class:`~ampctl.integrations.common.RunOptions`), or its
-            fields as keywords: ``guard``, ``log_every`` (default ``logging_steps``),
+        options: :class:`~ampctl.integrations.common.RunOptions`: ``guard``, ``log_every``
+            (default ``logging_steps``),
             ``display`` (pass ``disable_tqdm=True`` to the arguments to keep one display),
             ``fp32_modules``, ``overflow_window``, ``tensorboard``, ``logging`` (default: the
             trackers the Trainer reports to, ``report_to`` with ``mlflow`` / ``wandb``, where
@@ -273,7 +271,7 @@ def protect_trainer(
         )
     if getattr(trainer, _MARK, None) is not None:
         raise IntegrationError("protect_trainer: this Trainer is protected already")
-    options = RunOptions.given("protect_trainer", options, fields)
+    opts = RunOptions.given("protect_trainer", options)  # checked before anything changes
     template = copy.deepcopy(scaler) if scaler is not None else None
     # whether a plain Trainer with these arguments has a scaler of its own (Accelerate's
     # GradScaler: fp16 on a GPU); it decides where the LossScaler's state is saved
@@ -292,7 +290,7 @@ def protect_trainer(
         trainer,
         run_dir if run_dir is not None else Path(trainer.args.output_dir, "ampctl"),
         skip_aware_lr=skip_aware_lr,
-        options=options,
+        **opts.keywords(),
     )
     trainer.add_callback(cb)
     setattr(trainer, _MARK, cb)

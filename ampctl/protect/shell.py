@@ -1,35 +1,60 @@
-"""The run shell: what every loop around a :class:`~ampctl.protect.protection.Protection` shares.
+"""The run shell: what every loop around a :class:`~ampctl.protect.protection.Protection` shares,
+and what a run writes, one writer each: the metrics row, the summary and ``config.yaml``.
 
 ampctl's :class:`~ampctl.train.trainer.Trainer` and :class:`~ampctl.integrations.ProtectedRun`
 (and the Lightning, Accelerate and HF Trainer integrations on it) keep only their loops; the shell
-owns the rest of a run:
+owns the rest of a run, so a row or a summary has the same keys whichever loop wrote it:
 
-* the log step (:meth:`RunShell.log_step`): every figure of the interval gathered on the device,
-  the **one** host read, the window swap, the guard's decisions on the read (a rewind goes back to
-  the loop; a divergence stops the run after its row), the metrics row and the loggers;
+* the log step (:meth:`RunShell.log_step`): every figure of the interval gathered on the device
+  (:func:`~ampctl.protect.figures.gather_log_figures`), the **one** host read, the window swap,
+  the guard's decisions on the read (a rewind goes back to the loop; a divergence stops the run
+  after its row), the metrics row (:data:`ROW_KEYS`) and the loggers;
 * the accounting: tokens and wall time, carried across resumes (:meth:`RunShell.accounts`);
-* the summary (:meth:`RunShell.summary`, :meth:`RunShell.write_summary`) and the end-of-run
-  plot (:meth:`RunShell.plot`).
-
-Rows and summaries come from :mod:`ampctl.protect.records` (one writer each), so a row has the
-same keys whichever loop wrote it.
+* the summary (:data:`SUMMARY_KEYS`) and the end-of-run plot (:meth:`RunShell.plot`).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ampctl.amp.precision import Precision
+from omegaconf import OmegaConf
+
+from ampctl.amp.actgrad import ROW_KEYS as ACT_GRAD_KEYS
+from ampctl.amp.precision import Precision, match_modules
 from ampctl.amp.scaler import LossScaler
 from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.protection import Protection, Rewind, TrainDiverged
-from ampctl.protect.records import metrics_row, run_summary
+from ampctl.runlog import RunWriter
 
-__all__ = ["RunShell", "Shelled"]
+__all__ = ["GRAD_KEYS", "ROW_KEYS", "SUMMARY_KEYS", "RunShell", "Shelled", "write_config"]
+
+#: The gradient figures of a row (None on a row without gradient statistics).
+GRAD_KEYS = ("grad_norm", "grad_amax", "grad_underflow_frac", "nonfinite_grads")
+
+#: The keys of every metrics.jsonl row, in order (probes may add their own after these).
+ROW_KEYS = (
+    *("step", "loss", "scale", "skipped", "forward_overflows", "spikes", "consecutive_overflows"),
+    *("overflow_rate", "lr", "precision", "tokens_per_s", "elapsed_s", "max_steps"),
+    *(*GRAD_KEYS, *ACT_GRAD_KEYS),
+)
+
+#: The keys of every summary.json (a precision plugin may add its own, e.g. fp8's demotions).
+SUMMARY_KEYS = (
+    *("status", "framework", "final_loss", "steps", "max_steps", "skipped", "forward_overflows"),
+    *("spikes", "overflow_rate", "final_scale", "precision", "promoted_modules", "fp32_modules"),
+    *("events", "wall_time_s", "tokens_per_s", "run_dir"),
+)
+
+
+def write_config(run_dir: str | Path, config: Mapping[str, Any]) -> None:
+    """Write the run's ``config.yaml`` atomically from a plain mapping of resolved values (a
+    reader sees the old file or the new one, never half of one)."""
+    RunWriter(run_dir).write_config(OmegaConf.to_yaml(OmegaConf.create(dict(config))))
 
 
 class Shelled:
@@ -52,7 +77,7 @@ class Shelled:
         return self.protection.optimizer
 
 
-class RunShell:
+class RunShell(Shelled):
     """The log step, the accounting, the summary and the plot of one run (module docstring).
 
     Args:
@@ -90,14 +115,6 @@ class RunShell:
         self.tokens = 0  # tokens of the whole run (a resume goes on from the checkpoint's)
         self.wall_before = 0.0  # wall time of the run before this process (resumes)
         self.t0 = time.perf_counter()
-
-    @property
-    def precision(self) -> Precision:
-        return self.protection.precision
-
-    @property
-    def scaler(self) -> LossScaler:
-        return self.precision.scaler
 
     # ------------------------------------------------------------------ accounting
     def elapsed(self) -> float:
@@ -168,19 +185,7 @@ class RunShell:
             rewind, diverged = None, e
         if rewind is not None and self.on_rewind(rewind):
             return None  # a late rollback discarded the interval's steps
-        row = metrics_row(
-            values,
-            step=step,
-            scaler=self.scaler,
-            precision=self.precision.name,
-            overflow_window=self.overflow_window,
-            max_steps=self.max_steps,
-            tokens=window.tokens,
-            seconds=time.perf_counter() - window.t0,
-            elapsed_s=self.elapsed(),
-            probes=probes,
-        )
-        self.last_row = row
+        self.last_row = row = self.row(values, step, window, probes)
         assert self.log is not None
         self.log.metrics(row)
         if diverged is not None:
@@ -188,24 +193,72 @@ class RunShell:
         self.protection.after_log(step)  # fp8 layer demotions from the probe's figures
         return row
 
+    def row(
+        self, values: Mapping[str, Any], step: int, window: LogWindow, probes: Any = ()
+    ) -> dict[str, Any]:
+        """One metrics.jsonl row (:data:`ROW_KEYS`) from the host ``values`` of the log read
+        (the names :func:`~ampctl.protect.figures.gather_log_figures` gave them) and the
+        interval's ``window`` (its tokens and wall time; ``tokens_per_s`` is None when no tokens
+        were counted). Gradient figures are None on a row without gradient statistics; the
+        activation-gradient fractions are None unless a probe measured them. No device read."""
+        v, sc = values, self.scaler
+        seconds = time.perf_counter() - window.t0
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": v["loss_sum"] / v["loss_n"] if v["loss_n"] > 0 else math.nan,
+            "scale": v["scale"] if sc.is_enabled() else 1.0,
+            "skipped": int(v["skipped_total"]),
+            "forward_overflows": int(v["forward_overflows"]),
+            "spikes": int(v.get("spikes", 0)),  # steps the spike rule skipped (guard.spike)
+            "consecutive_overflows": int(v["consecutive_overflows"]),
+            "overflow_rate": v["recent_skips"] / max(min(self.overflow_window, sc.num_updates), 1),
+            "lr": v["lr"],
+            "precision": self.precision.name,
+            "tokens_per_s": window.tokens / max(seconds, 1e-9) if window.tokens else None,
+            "elapsed_s": self.elapsed(),
+            "max_steps": self.max_steps,
+            **dict.fromkeys((*GRAD_KEYS, *ACT_GRAD_KEYS)),
+        }
+        if "grad_norm_sq" in v:
+            row.update(
+                grad_norm=math.sqrt(max(v["grad_norm_sq"], 0.0)),
+                grad_amax=v["grad_amax"],
+                grad_underflow_frac=v["grad_underflow"] / max(v["grad_elems"], 1),
+                nonfinite_grads=int(v["nonfinite_grads"]),
+            )
+        for probe in probes:
+            row.update(probe.row(v))
+        return row
+
     # ------------------------------------------------------------------ the end
     def summary(self, status: str, steps: int) -> dict[str, Any]:
-        """summary.json of the run at ``steps`` (:func:`~ampctl.protect.records.run_summary`).
-        **Syncs** once (the scaler's counters)."""
+        """summary.json (:data:`SUMMARY_KEYS`) of the run at ``steps``: its outcome, its scaler's
+        counters, the modules kept in fp32 (those the guard promoted apart) and the precision's
+        own keys. **Syncs** once (the scaler's counters)."""
         assert self.log is not None
-        return run_summary(
-            status,
-            framework=self.framework,
-            model=self.protection.model,
-            precision=self.precision,
-            final_loss=self.last_row.get("loss"),
-            steps=steps,
-            max_steps=self.max_steps,
-            events=self.log.event_counts(),
-            wall_s=self.elapsed(),
-            tokens=self.tokens,
-            run_dir=self.run_dir,
-        )
+        precision, model = self.precision, self.protection.model
+        wall_s, st = self.elapsed(), precision.scaler.stats()
+        configured = set(match_modules(model, precision.fp32_modules))
+        return {
+            "status": status,
+            "framework": self.framework,
+            "final_loss": self.last_row.get("loss"),
+            "steps": steps,
+            "max_steps": self.max_steps,
+            "skipped": st["skipped_total"],
+            "forward_overflows": st["forward_overflows"],
+            "spikes": st.get("spikes", 0),
+            "overflow_rate": st["skipped_total"] / max(st["steps"], 1),
+            "final_scale": st["scale"],
+            "precision": precision.name,
+            "promoted_modules": [m for m in precision.in_fp32 if m not in configured],
+            "fp32_modules": list(precision.in_fp32),
+            "events": dict(self.log.event_counts()),
+            "wall_time_s": wall_s,
+            "tokens_per_s": self.tokens / max(wall_s, 1e-9) if self.tokens else None,
+            "run_dir": str(self.run_dir),
+            **precision.summary(model),
+        }
 
     def write_summary(self, summary: dict[str, Any]) -> str | None:
         """Write ``summary`` (to the run folder and the sinks); a failed write is one line,
@@ -219,7 +272,7 @@ class RunShell:
     def plot(self) -> Path | str:
         """``plot.png`` into the run folder, and to the sinks; a one-line reason instead when
         there is none (no matplotlib, nothing to draw, a failed write). No device read."""
-        from ampctl.ui.plot import maybe_plot_run
+        from ampctl.ui.plot.run_figure import maybe_plot_run
 
         got = maybe_plot_run(self.run_dir)
         if isinstance(got, Path) and self.log is not None:

@@ -43,8 +43,7 @@ from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, sampling
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import extract_loss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
-from ampctl.protect.records import write_config
-from ampctl.protect.shell import RunShell, Shelled
+from ampctl.protect.shell import RunShell, Shelled, write_config
 from ampctl.runlog import RunLayout, as_number, branch_event, prepare_resume, read_jsonl
 from ampctl.runlog.layout import checkpoint_step
 from ampctl.train.builders import (

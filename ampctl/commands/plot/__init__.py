@@ -33,20 +33,15 @@ end of every loop's run); this command adds the sweep figure and other tools' hi
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 from ampctl.errors import UsageError
-from ampctl.ui.plot import (
-    HINT,
-    PlotUnavailable,
-    RunData,
-    SkipMark,
-    decimate,
-    maybe_plot_run,
-    run_data,
-)
+from ampctl.ui.plot import decimate, run_data
 from ampctl.ui.plot import run_figure as _run_figure
-from ampctl.ui.plot.common import _mpl
+from ampctl.ui.plot.common import HINT, PlotUnavailable, _mpl
+from ampctl.ui.plot.run_data import RunData, SkipMark
+from ampctl.ui.plot.run_figure import maybe_plot_run
 
 from .foreign import foreign_run_data
 from .sweep_figure import SWEEP_METRICS, build_sweep_figure, plot_sweep
@@ -69,22 +64,11 @@ __all__ = [
 ]
 
 
-def load_run_data(run_dir: str | Path) -> RunData:
-    """A run folder read for drawing (:func:`ampctl.ui.plot.run_data.load_run_data`), or
-    another tool's history beside a folder without metrics.jsonl (#40)."""
-    return run_data.load_run_data(run_dir, foreign_run_data)
-
-
-def build_run_figure(run_dir: str | Path, baseline=None, *, branches: bool = True):
-    """:func:`ampctl.ui.plot.run_figure.build_run_figure`, other tools' histories included."""
-    return _run_figure.build_run_figure(
-        run_dir, baseline, branches=branches, foreign=foreign_run_data
-    )
-
-
-def plot_run(run_dir: str | Path, out=None, baseline=None, notes=None) -> Path:
-    """:func:`ampctl.ui.plot.run_figure.plot_run`, other tools' histories included."""
-    return _run_figure.plot_run(run_dir, out, baseline, notes, foreign=foreign_run_data)
+# a run as drawn by ampctl.ui.plot, or another tool's history beside a folder without
+# metrics.jsonl (#40)
+load_run_data = partial(run_data.load_run_data, foreign=foreign_run_data)
+build_run_figure = partial(_run_figure.build_run_figure, foreign=foreign_run_data)
+plot_run = partial(_run_figure.plot_run, foreign=foreign_run_data)
 
 
 def run_plot(path: Path, out: Path | None = None, baseline: Path | list[Path] | None = None) -> int:

@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ampctl.errors import UsageError
 from ampctl.runlog import RunLayout, describe_lineage
 
 from . import run_data as _run_data
 from .common import (
     EVENT_STYLE,
     RESTORING,
+    PlotUnavailable,
     _check_out,
     _draw_series,
     _fmt_scale,
@@ -375,3 +377,19 @@ def plot_run(
     if notes is not None:
         notes.extend(fig.ampctl_notes)
     return _save(fig, Path(out) if out is not None else run_dir / "plot.png")
+
+
+def maybe_plot_run(run_dir: str | Path) -> Path | str:
+    """What a run calls at its end (and after Ctrl-C) when ``logging.plot`` is true: writes
+    ``<run>/plot.png`` and returns its path, or returns a one-line message instead of raising
+    when matplotlib is missing, there is nothing to draw yet (no metrics rows), or the PNG cannot
+    be written (OSError: disk full, read-only folder): a finished run never fails because of its
+    picture. No device reads."""
+    try:
+        return plot_run(run_dir)
+    except PlotUnavailable as e:
+        return str(e)
+    except UsageError as e:
+        return f"no plot: {e}"
+    except OSError as e:
+        return f"no plot: writing {Path(run_dir) / 'plot.png'} failed: {e.strerror or e}"
