@@ -181,6 +181,7 @@ class ProtectedRun(Shelled):
         self.run_dir = Path(run_dir)
         self.loop = loop or LoopInfo()
         self.log_every, self.max_steps = opts.log_every or 10, max_steps
+        self.overflow_window, self.framework = opts.overflow_window, self.loop.framework
         self._progress = progress
         amp = _loop_precision(precision, scaler, opts.fp32_modules, model)
         self.protection = Protection(
@@ -220,28 +221,12 @@ class ProtectedRun(Shelled):
         self._lock: RunLock | None = None  # the run folder's, from start() to finish()
 
     # ------------------------------------------------------------------ views
-    @property
-    def framework(self) -> str:
-        return self.loop.framework
-
-    @property
-    def overflow_window(self) -> int:
-        return self.options.overflow_window
-
-    @property
-    def log(self) -> RunLogger | None:
-        """The run's logger (from :meth:`start` on)."""
-        return self.shell.log
-
-    @property
-    def step(self) -> int:
-        """The last optimizer step seen."""
-        return self._step
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        """The guard's events of this process (also in ``events.jsonl``)."""
-        return self.protection.events
+    log = property(lambda self: self.shell.log, doc="The run's logger (from :meth:`start` on).")
+    step = property(lambda self: self._step, doc="The last optimizer step seen.")
+    events = property(
+        lambda self: self.protection.events,
+        doc="The guard's events of this process (also in ``events.jsonl``).",
+    )
 
     @property
     def fused(self) -> bool:

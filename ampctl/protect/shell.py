@@ -24,8 +24,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ampctl.amp.actgrad import ROW_KEYS as ACT_GRAD_KEYS
-from ampctl.amp.precision import Precision, match_modules
-from ampctl.amp.scaler import LossScaler
+from ampctl.amp.precision import match_modules
 from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.protection import Protection, Rewind, TrainDiverged
@@ -62,19 +61,9 @@ class Shelled:
     its scaler and the optimizer (a fallback may rebuild it)."""
 
     protection: Protection
-
-    @property
-    def precision(self) -> Precision:
-        """The precision plugin in use (a fallback replaces it)."""
-        return self.protection.precision
-
-    @property
-    def scaler(self) -> LossScaler:
-        return self.precision.scaler
-
-    @property
-    def optimizer(self) -> Any:
-        return self.protection.optimizer
+    precision = property(lambda self: self.protection.precision)
+    scaler = property(lambda self: self.protection.scaler)
+    optimizer = property(lambda self: self.protection.optimizer)
 
 
 class RunShell(Shelled):
