@@ -156,9 +156,10 @@ class ProtectedRun(Shelled):
         progress: what a rollback rewinds besides weights, optimizer state and scale (an object
             with ``state_dict`` / ``load_state_dict``, e.g. the lr scheduler).
         loop: how the loop around the run behaves (:class:`LoopInfo`; integrations set it).
-        options: :class:`~ampctl.integrations.common.RunOptions`: ``guard``, ``log_every``
-            (default 10), ``overflow_window``, ``display``, ``fp32_modules``, ``tensorboard``,
-            ``logging`` (``plot`` true by default there: ``plot.png`` at :meth:`finish`).
+        options: the fields of :class:`~ampctl.integrations.common.RunOptions`: ``guard``,
+            ``log_every`` (default 10), ``overflow_window``, ``display``, ``fp32_modules``,
+            ``tensorboard``, ``logging`` (``plot`` true by default there: ``plot.png`` at
+            :meth:`finish`).
     """
 
     def __init__(
