@@ -191,6 +191,7 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
         self._check_finite = bool(check_finite) or self._enabled
         self._check_loss = bool(check_loss)
         self._history_size = int(history_size)
+        self._init_scale_given = float(init_scale)  # the configured one (config())
         # Values the device tensors start from (lazily created on the first scale(), on the
         # loss's device, as GradScaler does); load_state_dict before that lands here.
         self._init: dict[str, Any] = {
@@ -802,6 +803,28 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
             "min_scale", min_scale, min_scale <= max_scale, f"<= max_scale ({max_scale!r})"
         )
         self._min_scale, self._max_scale = float(min_scale), float(max_scale)
+
+    def config(self) -> dict[str, Any]:
+        """The settings under :class:`ScalerConfig`'s names: the ``init_scale`` configured (not
+        the scale now), the rules in force, ``history_size``. No host read."""
+        names = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis")
+        return {
+            "init_scale": self._init_scale_given,
+            **{k: getattr(self, f"_{k}") for k in (*names, "min_scale", "max_scale")},
+            "history_size": self._history_size,
+        }
+
+    def reconfigure(self, config: Any, *, was: dict[str, Any] | None = None) -> None:
+        """Take the rules of ``config`` (a :class:`ScalerConfig`: a resume's ``scaler.*``) over
+        a loaded state (its scale, trackers and record stay); when ``was``, the settings the
+        state was saved under, names another ``init_scale``, the scale is set to ``config``'s
+        (scaling on). No host read."""
+        for k in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis"):
+            getattr(self, f"set_{k}")(getattr(config, k))
+        self.set_bounds(config.min_scale, config.max_scale)
+        if was is not None and self._enabled and config.init_scale != was["init_scale"]:
+            self.update(new_scale=config.init_scale)
+        self._init_scale_given = float(config.init_scale)
 
     @property
     def min_scale(self) -> float:

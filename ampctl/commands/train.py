@@ -167,7 +167,7 @@ def _own(run_dir: Path, console: Console) -> RunLock:
 def _train_in(
     cfg, run_dir: Path, ck, fork: bool, ctx, mode: str, console, lock, overrides: list[str]
 ) -> int:
-    from ampctl.protect.records import write_config
+    from ampctl.protect.shell import write_config
     from ampctl.train.trainer import Trainer
     from ampctl.ui.display import Display
 
@@ -222,11 +222,7 @@ def _report(console, display, trainer, result, cfg, run_dir: Path) -> None:
     hint, note = summary.get("resume_hint"), summary.get("resume_note")
     display.summary(summary)
     if cfg.logging.plot:
-        from ampctl.commands.plot import maybe_plot_run
-
-        got = maybe_plot_run(run_dir)
-        if isinstance(got, Path):
-            trainer.log.artifact(got)
+        got = trainer.shell.plot()
         msg = f"plot: {got}" if isinstance(got, Path) else got
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
     then, markup = (f"; {note}" if note else "") + (f": {hint}" if hint else ""), True

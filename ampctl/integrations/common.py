@@ -1,21 +1,30 @@
-"""What every integration shares: the error type, the lazy import of a framework with its install
-hint, the torch optimizer inside a framework's wrapper, and the rank helpers (skip flags agreed
-across ranks, rank 0 writes)."""
+"""What every integration shares: the error type, the run's options (:class:`RunOptions`), the
+lr schedulers a rollback rewinds (:class:`SchedulerProgress`), the lazy import of a framework with
+its install hint, the torch optimizer inside a framework's wrapper, and the rank helpers (skip
+flags agreed across ranks, rank 0 writes)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampctl.amp import LossScaler
+from ampctl.amp.checks import FieldError, is_int
 from ampctl.errors import UsageError
+from ampctl.protect.settings import GuardConfig, LoggingConfig
 
 __all__ = [
     "IntegrationError",
+    "RunOptions",
+    "SchedulerProgress",
+    "check_counts",
     "inner_optimizer",
     "reduce_max",
     "require",
@@ -30,6 +39,125 @@ __all__ = [
 
 class IntegrationError(UsageError):
     """Bad use of an integration: the message names the argument and what is allowed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The options every integration takes as keywords (``ProtectedRun``, ``AmpctlCallback``,
+    ``protect_trainer``), declared and checked here once.
+
+    Args:
+        guard: a :class:`~ampctl.protect.settings.GuardConfig` or a mapping of its fields.
+        log_every: write a metrics row every this many optimizer steps (and at ``max_steps``);
+            None: the loop's default (``ProtectedRun``: 10; Lightning: ``log_every_n_steps``;
+            the HF Trainer: ``logging_steps``).
+        display: None, a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``,
+            ``plain``, ``quiet``) for the live table, or an object with ``update`` / ``event``
+            / ``summary``.
+        fp32_modules: fnmatch patterns of module names kept in fp32 from the start.
+        overflow_window: the steps a row's ``overflow_rate`` covers.
+        tensorboard: also write TensorBoard scalars into the run folder (needs
+            ``tensorboard``).
+        logging: a :class:`~ampctl.protect.settings.LoggingConfig` or a mapping of its fields:
+            the sinks beside the run folder (``tensorboard``, ``mlflow``, ``wandb`` and their
+            ``mlflow_uri``, ``wandb_mode`` ...; see ``ampctl train``'s ``logging.*``), and
+            ``plot`` (default true: ``plot.png`` at the end of the run, when matplotlib is
+            installed, also sent to the sinks). None: only ``tensorboard=``, no plot.
+    """
+
+    guard: GuardConfig | Mapping[str, Any] | None = None
+    log_every: int | None = None
+    display: Any = None
+    fp32_modules: Iterable[str] = ()
+    overflow_window: int = 50
+    tensorboard: bool = False
+    logging: LoggingConfig | Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_counts(log_every=self.log_every, overflow_window=self.overflow_window)
+        guard = (
+            GuardConfig() if self.guard is None else _fields_arg(GuardConfig, self.guard, "guard")
+        )
+        logging = self.logging
+        if logging is not None:
+            logging = _fields_arg(LoggingConfig, logging, "logging")
+        object.__setattr__(self, "guard", guard)
+        object.__setattr__(self, "logging", logging)
+        object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
+
+    @classmethod
+    def given(cls, who: str, fields: Mapping[str, Any]) -> RunOptions:
+        """The options ``who`` was given as keywords, checked; an unknown one is a
+        ``TypeError``, as Python's own."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+        try:
+            return cls(**fields)
+        except _KeyNamed:
+            raise  # its message names the key (``guard.skip_budget=...``)
+        except IntegrationError as e:
+            raise IntegrationError(f"{who}: {e}") from None
+
+    def keywords(self, **changes: Any) -> dict[str, Any]:
+        """These options as keywords (for ``ProtectedRun(...)``), with ``changes``."""
+        return {**vars(self), **changes}
+
+
+def check_counts(who: str = "", **counts: int | None) -> None:
+    """A run's cadence arguments (``log_every``, ``overflow_window``, ``max_steps``): None or an
+    integer >= 1 (``overflow_window``: an integer >= 1); one line naming ``who`` and the
+    argument."""
+    for name, value in counts.items():
+        ok = (value is None and name != "overflow_window") or (is_int(value) and value >= 1)
+        if not ok:
+            allowed = "an integer >= 1" if name == "overflow_window" else "None or an integer >= 1"
+            raise IntegrationError(
+                f"{who}{': ' if who else ''}{name}={value!r} is not allowed: {name} must be "
+                f"{allowed}"
+            )
+
+
+def _fields_arg(cls: type, value: Any, arg: str) -> Any:
+    """``value`` as a ``cls`` config (``GuardConfig``, ``LoggingConfig``): one already, or a
+    mapping of its fields; anything else is an :class:`IntegrationError` naming ``arg``."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise IntegrationError(
+            f"{arg}={value!r} is not allowed: {arg} must be a {cls.__name__} or a mapping of its "
+            "fields"
+        )
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise IntegrationError(
+            f"{arg} has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
+        )
+    try:
+        return cls(**value)
+    except FieldError as e:
+        raise _KeyNamed(e.named(arg)) from None
+
+
+class _KeyNamed(IntegrationError):
+    """A config field refused, its message naming the key (``logging.wandb_mode=...``)."""
+
+
+class SchedulerProgress:
+    """What a rollback rewinds besides weights, optimizer state and scale: the loop's lr
+    schedulers, as ``schedulers()`` lists them when the snapshot is taken and restored (a
+    framework may make them after the run starts)."""
+
+    def __init__(self, schedulers: Callable[[], Iterable[Any]]) -> None:
+        self.schedulers = schedulers
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s, sd in zip(self.schedulers(), state["schedulers"], strict=False):
+            s.load_state_dict(copy.deepcopy(sd))
 
 
 def require(module: str, extra: str, user: str) -> Any:

@@ -35,7 +35,6 @@ skip-aware lr schedule reads the skip flag once per step when a step-interval sc
 
 from __future__ import annotations
 
-import copy
 import types
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
@@ -49,10 +48,16 @@ from ampctl.amp import LossScaler, make_precision
 from ampctl.amp.precision import PLUGINS, Precision, saved_in_fp32
 from ampctl.protect.loss import ForwardLoss
 from ampctl.protect.protection import TrainAborted
-from ampctl.protect.settings import GuardConfig
 from ampctl.protect.switch import switch_precision
 
-from .common import IntegrationError, require, share_flags
+from .common import (
+    IntegrationError,
+    RunOptions,
+    SchedulerProgress,
+    param_device,
+    require,
+    share_flags,
+)
 from .protected_run import LoopInfo, ProtectedRun
 
 require("lightning", "lightning", "ampctl.integrations.lightning")
@@ -85,12 +90,6 @@ def _precision_name(precision: Any, who: str) -> str:
             "fp32 (or Lightning's 16-mixed, bf16-mixed, 32-true)"
         )
     return name
-
-
-def _module_device_type(model: nn.Module) -> str:
-    for p in model.parameters():
-        return p.device.type
-    return "cpu"
 
 
 class AmpctlPrecision(MixedPrecision):
@@ -160,7 +159,7 @@ class AmpctlPrecision(MixedPrecision):
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]):
         if not self._device_given:
-            self.device = _module_device_type(model)
+            self.device = param_device(model).type
             self.amp.device_type = self.device
         share_flags(self.scaler)  # ranks skip the same steps
         return super().connect(model, optimizers, lr_schedulers)
@@ -199,24 +198,6 @@ class AmpctlPrecision(MixedPrecision):
         self._current.precision = switch_precision(self.amp, name, self._module)
 
 
-class _Schedulers:
-    """What a rollback rewinds besides weights, optimizer state and scale: the lr schedulers."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "schedulers": [
-                copy.deepcopy(c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs
-            ]
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for c, sd in zip(self.trainer.lr_scheduler_configs, state["schedulers"], strict=False):
-            c.scheduler.load_state_dict(copy.deepcopy(sd))
-
-
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -247,18 +228,13 @@ class AmpctlCallback(Callback):
             refused with one line. Ignored when the Trainer already has an
             :class:`AmpctlPrecision`.
         scaler: the LossScaler for the plugin the callback puts in place.
-        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
-        log_every: metrics row interval in optimizer steps (default: ``log_every_n_steps``).
-        display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
-            ``quiet``) or object for the live table; None: no display (Lightning's bar stays).
-        fp32_modules: fnmatch patterns of submodule names kept in fp32.
         forward: ``forward(module, batch) -> loss`` for the forward-overflow replay (default:
             :func:`lightning_forward`).
         skip_aware_lr: step-interval lr schedulers do not advance on skipped steps.
-        overflow_window: the steps a row's ``overflow_rate`` covers.
-        tensorboard: also write TensorBoard scalars into the run folder.
-        logging: the sinks beside the run folder (MLflow, W&B, TensorBoard) and the plot: a
-            ``LoggingConfig`` or a mapping of its fields (:class:`~ampctl.integrations.ProtectedRun`).
+        options: :class:`~ampctl.integrations.common.RunOptions`: ``guard``, ``log_every``
+            (default: ``log_every_n_steps``), ``display`` (None: no display, Lightning's bar
+            stays), ``fp32_modules`` (submodule names), ``overflow_window``, ``tensorboard``,
+            ``logging``.
     """
 
     def __init__(
@@ -267,28 +243,16 @@ class AmpctlCallback(Callback):
         *,
         precision: str | None = None,
         scaler: LossScaler | None = None,
-        guard: GuardConfig | Mapping[str, Any] | None = None,
-        log_every: int | None = None,
-        display: Any = None,
-        fp32_modules: Iterable[str] = (),
         forward: ForwardLoss | None = None,
         skip_aware_lr: bool = True,
-        overflow_window: int = 50,
-        tensorboard: bool = False,
-        logging: Any = None,
+        **options: Any,
     ) -> None:
+        self.options = RunOptions.given("AmpctlCallback", options)
         self.run_dir = Path(run_dir)
         self.precision = None if precision is None else _precision_name(precision, "AmpctlCallback")
         self.scaler = scaler
-        self.guard = guard
-        self.log_every = log_every
-        self.display = display
-        self.fp32_modules = list(fp32_modules)
         self.forward = forward or lightning_forward
         self.skip_aware_lr = skip_aware_lr
-        self.overflow_window = overflow_window
-        self.tensorboard = tensorboard
-        self.logging = logging
         self.run: ProtectedRun | None = None
         self.plugin: AmpctlPrecision | None = None
         self.status = "ok"
@@ -315,7 +279,7 @@ class AmpctlCallback(Callback):
         scaler = self.scaler
         if scaler is None and isinstance(getattr(current, "scaler", None), LossScaler):
             scaler = current.scaler
-        self.plugin = AmpctlPrecision(name, scaler=scaler, fp32_modules=self.fp32_modules)
+        self.plugin = AmpctlPrecision(name, scaler=scaler, fp32_modules=self.options.fp32_modules)
         strategy.precision_plugin = self.plugin
 
     def _follow(self, trainer: Any, current: Any) -> str:
@@ -360,15 +324,10 @@ class AmpctlCallback(Callback):
             trainer.optimizers[0],
             precision=plugin.amp,
             run_dir=self.run_dir,
-            guard=self.guard,
-            log_every=self.log_every or trainer.log_every_n_steps,
             max_steps=max_steps,
-            overflow_window=self.overflow_window,
-            display=self.display,
             forward=self.forward,
-            progress=_Schedulers(trainer),
-            tensorboard=self.tensorboard,
-            logging=self.logging,
+            progress=SchedulerProgress(lambda: [c.scheduler for c in trainer.lr_scheduler_configs]),
+            **self.options.keywords(log_every=self.options.log_every or trainer.log_every_n_steps),
             loop=LoopInfo(
                 framework="lightning",
                 config={

@@ -58,22 +58,22 @@ import torch
 from torch import nn
 
 from ampctl.amp import LossScaler, make_precision
-from ampctl.amp.checks import FieldError, is_int
 from ampctl.amp.precision import PLUGINS, PRECISIONS, Precision, saved_in_fp32
 from ampctl.amp.scaler import OptState
 from ampctl.amp.stats import grad_stats
-from ampctl.protect.figures import DeviceFigures, LogWindow, gather_log_figures
+from ampctl.protect.figures import DeviceFigures, LogWindow
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import ForwardLoss
-from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
-from ampctl.protect.records import metrics_row, run_summary, write_config
-from ampctl.protect.settings import GuardConfig, LoggingConfig
+from ampctl.protect.protection import Protection, Rewind, TrainAborted
+from ampctl.protect.shell import RunShell, Shelled, write_config
 from ampctl.runlog import RunLayout, is_finite_number, is_run_dir, prepare_resume, read_jsonl
 from ampctl.runlog.lock import RunLock, lock_run
 
 from .common import (
     IntegrationError,
     Ranks,
+    RunOptions,
+    check_counts,
     count_tokens,
     inner_optimizer,
     is_rank0,
@@ -135,7 +135,7 @@ class _Step:
         self.lr: Any = None
 
 
-class ProtectedRun:
+class ProtectedRun(Shelled):
     """The guard and the run folder for a loop that steps a LossScaler (module docstring).
 
     Args:
@@ -150,25 +150,16 @@ class ProtectedRun:
         precision: ``fp16``, ``bf16`` or ``fp32`` -- what the loop's autocast runs (used for the
             forward-overflow replay, the fp32 modules and the records) -- or an ampctl
             :class:`~ampctl.amp.precision.Precision` plugin that owns the scaler.
-        guard: a :class:`~ampctl.protect.settings.GuardConfig` or a mapping of its fields.
-        log_every: write a metrics row every this many optimizer steps (and at ``max_steps``).
         max_steps: the planned number of optimizer steps (rows, display), or None.
-        overflow_window: the steps the row's ``overflow_rate`` covers.
-        display: None, a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``,
-            ``plain``, ``quiet``) for the live table, or an object with ``update`` / ``event``
-            / ``summary``.
         forward: ``forward(model, batch) -> loss`` for the forward-overflow replay; default
             ``model(**batch)`` and its ``.loss``.
         progress: what a rollback rewinds besides weights, optimizer state and scale (an object
             with ``state_dict`` / ``load_state_dict``, e.g. the lr scheduler).
-        fp32_modules: fnmatch patterns of module names kept in fp32 from the start.
-        tensorboard: also write TensorBoard scalars (needs ``tensorboard``).
-        logging: a :class:`~ampctl.protect.settings.LoggingConfig` or a mapping of its fields:
-            the sinks beside the run folder (``tensorboard``, ``mlflow``, ``wandb`` and their
-            ``mlflow_uri``, ``wandb_mode`` ...; see ``ampctl train``'s ``logging.*``), and
-            ``plot`` (default true: draw ``plot.png`` at :meth:`finish`, when matplotlib is
-            installed, and send it to the sinks). Without it: only ``tensorboard=``, no plot.
         loop: how the loop around the run behaves (:class:`LoopInfo`; integrations set it).
+        options: the fields of :class:`~ampctl.integrations.common.RunOptions`: ``guard``,
+            ``log_every`` (default 10), ``overflow_window``, ``display``, ``fp32_modules``,
+            ``tensorboard``, ``logging`` (``plot`` true by default there: ``plot.png`` at
+            :meth:`finish`).
     """
 
     def __init__(
@@ -179,51 +170,46 @@ class ProtectedRun:
         *,
         run_dir: str | Path,
         precision: str | Precision = "fp16",
-        guard: GuardConfig | Mapping[str, Any] | None = None,
-        log_every: int = 10,
         max_steps: int | None = None,
-        overflow_window: int = 50,
-        display: Any = None,
         forward: ForwardLoss | None = None,
         progress: Any = None,
-        fp32_modules: Iterable[str] = (),
-        tensorboard: bool = False,
-        logging: LoggingConfig | Mapping[str, Any] | None = None,
         loop: LoopInfo | None = None,
+        **options: Any,
     ) -> None:
-        _check_counts(log_every=log_every, max_steps=max_steps, overflow_window=overflow_window)
-        self._logging = (
-            _fields_arg(LoggingConfig, logging, "logging") if logging is not None else None
-        )
-        self._plot = self._logging is not None and self._logging.plot
+        check_counts("ProtectedRun", max_steps=max_steps)
+        self.options = opts = RunOptions.given("ProtectedRun", options)
         self.model = model
         self.run_dir = Path(run_dir)
         self.loop = loop or LoopInfo()
-        self.log_every, self.max_steps, self.overflow_window = log_every, max_steps, overflow_window
+        self.log_every, self.max_steps = opts.log_every or 10, max_steps
+        self.overflow_window, self.framework = opts.overflow_window, self.loop.framework
         self._progress = progress
-        amp = _loop_precision(precision, scaler, fp32_modules, model)
+        amp = _loop_precision(precision, scaler, opts.fp32_modules, model)
         self.protection = Protection(
             model,
             optimizer,
             amp,
-            config=_fields_arg(GuardConfig, guard, "guard") if guard is not None else GuardConfig(),
+            config=opts.guard,
             emit=self._emit,
             progress_state=progress.state_dict if progress is not None else None,
             forward=forward,
             fallback_unavailable=self.loop.fallback_unavailable,
             dist=Ranks() if world_size() > 1 else None,
         )
+        self.shell = RunShell(
+            self.protection,
+            self.run_dir,
+            framework=self.loop.framework,
+            max_steps=max_steps,
+            overflow_window=opts.overflow_window,
+            on_rewind=self._rewound,
+        )
         share_flags(amp.scaler)
         self.is_main = is_rank0() if self.loop.is_main is None else bool(self.loop.is_main)
-        self._display_arg = display
         self._own_display = False
         self.display: Any = None
-        self._tensorboard = tensorboard
-        self.log: RunLogger | None = None
-        self.window = LogWindow()
         self.status: str | None = None
         self.summary: dict[str, Any] | None = None
-        self.last_row: dict[str, Any] = {}
         self._early_events: list[dict[str, Any]] = []
         self._step = 0
         self._started = False
@@ -231,40 +217,17 @@ class ProtectedRun:
         # is a micro-batch of gradient accumulation
         self._updates_seen = self.scaler.num_updates
         self._cur = _Step()
-        self._tokens_total = 0
-        self._wall_before = 0.0
         self._resumed_from: str | Path | None = None
         self._exit_hooks: Any = None
         self._lock: RunLock | None = None  # the run folder's, from start() to finish()
-        self._t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ views
-    @property
-    def framework(self) -> str:
-        return self.loop.framework
-
-    @property
-    def precision(self) -> Precision:
-        """The precision plugin in use (a fallback replaces it)."""
-        return self.protection.precision
-
-    @property
-    def scaler(self) -> LossScaler:
-        return self.precision.scaler
-
-    @property
-    def optimizer(self) -> Any:
-        return self.protection.optimizer
-
-    @property
-    def step(self) -> int:
-        """The last optimizer step seen."""
-        return self._step
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        """The guard's events of this process (also in ``events.jsonl``)."""
-        return self.protection.events
+    log = property(lambda self: self.shell.log, doc="The run's logger (from :meth:`start` on).")
+    step = property(lambda self: self._step, doc="The last optimizer step seen.")
+    events = property(
+        lambda self: self.protection.events,
+        doc="The guard's events of this process (also in ``events.jsonl``).",
+    )
 
     @property
     def fused(self) -> bool:
@@ -279,9 +242,6 @@ class ProtectedRun:
 
     def _device(self) -> torch.device:
         return self.scaler.device or param_device(self.model)
-
-    def _elapsed(self) -> float:
-        return self._wall_before + time.perf_counter() - self._t0
 
     def _is_log(self, step: int) -> bool:
         return step % self.log_every == 0 or (self.max_steps is not None and step == self.max_steps)
@@ -333,18 +293,18 @@ class ProtectedRun:
                 raise
         restored = resumed and self._restore_scaler(layout, step)
         self.display = self._make_display()
-        self.log = RunLogger(
+        self.shell.log = log = RunLogger(
             self.run_dir,
             is_main=self.is_main,
             display=self.display,
-            tensorboard=self._tensorboard,
-            logging=self._logging,
+            tensorboard=self.options.tensorboard,
+            logging=self.options.logging,
         )
-        self.log.open(step, self._config())
+        self.shell.open(step, self._config())
         if resumed:
             where = f" from {resumed_from}" if resumed_from is not None else ""
             scale = f"; the scale {restored:g} from the run folder" if restored else ""
-            self.log.event(
+            log.event(
                 {
                     "step": step,
                     "kind": "resume",
@@ -352,11 +312,11 @@ class ProtectedRun:
                 }
             )
         for ev in self._early_events:
-            self.log.event(ev)
+            log.event(ev)
         self._early_events.clear()
         self._step = step
-        self._t0 = time.perf_counter()
-        self.window = LogWindow(first_update=self.scaler.num_updates - self._updates_taken())
+        self.shell.t0 = time.perf_counter()
+        self.shell.window = LogWindow(first_update=self.scaler.num_updates - self._updates_taken())
         self.protection.start(step)
         self._started = True
 
@@ -416,7 +376,7 @@ class ProtectedRun:
         return float(last["scale"])
 
     def _make_display(self) -> Any:
-        d = self._display_arg
+        d = self.options.display
         if d is None or not self.is_main:
             return None
         if isinstance(d, str):
@@ -435,17 +395,7 @@ class ProtectedRun:
         return {
             "integration": self.framework,
             "precision": {"name": self.precision.name, "fp32_modules": self.precision.fp32_modules},
-            "scaler": {
-                "init_scale": sc.get_scale(),
-                "growth_factor": sc.get_growth_factor(),
-                "backoff_factor": sc.get_backoff_factor(),
-                "growth_interval": sc.get_growth_interval(),
-                "hysteresis": sc.hysteresis,
-                "min_scale": sc.min_scale,
-                "max_scale": sc.max_scale,
-                "history_size": sc.history_size,
-                "enabled": sc.is_enabled(),
-            },
+            "scaler": {**sc.config(), "enabled": sc.is_enabled()},
             "guard": dataclasses.asdict(self.protection.config),
             "trainer": {
                 "max_steps": self.max_steps,
@@ -555,10 +505,9 @@ class ProtectedRun:
         if skipped is None and self.loop.read_skips:
             skipped = self.scaler.last_step_skipped  # syncs (the caller reads it anyway)
         cur, self._cur = self._cur, _Step()
-        self._tokens_total += cur.tokens
-        self.window.tokens += cur.tokens
+        self.shell.add_tokens(cur.tokens)
         if self.scaler.last_step_loss is None and cur.loss is not None:
-            self.window.add(cur.loss)  # the scaler saw no loss: the ones handed over
+            self.shell.window.add(cur.loss)  # the scaler saw no loss: the ones handed over
         log = self._is_log(step)
         stats = cur.stats if cur.stats_step == step else None
         if log and stats is None:
@@ -575,42 +524,17 @@ class ProtectedRun:
             raise
 
     def _log_row(self, step: int, stats: dict[str, torch.Tensor] | None, lr: Any) -> dict[str, Any]:
-        """Read the interval's figures in one transfer, take the guard's waiting decisions
-        (fused optimizer), then write the row. **Syncs** once."""
-        fig = DeviceFigures(self._device())
-        gather_log_figures(
-            fig,
-            window=self.window,
-            stats=stats,
-            scaler=self.scaler,
-            overflow_window=self.overflow_window,
-            lr=lr if lr is not None else _copy(self.optimizer.param_groups[0]["lr"]),
-            protection=self.protection,
-        )
-        v = fig.read()  # the log read
-        window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        diverged = None
-        try:
-            self._apply(self.protection.on_log_read(step, v))
-        except TrainDiverged as e:  # the row the rule held on is written, then the run stops
-            diverged = e
-        row = metrics_row(
-            v,
-            step=step,
-            scaler=self.scaler,
-            precision=self.precision.name,
-            overflow_window=self.overflow_window,
-            max_steps=self.max_steps,
-            tokens=window.tokens,
-            seconds=time.perf_counter() - window.t0,
-            elapsed_s=self._elapsed(),
-        )
-        self.last_row = row
-        assert self.log is not None
-        self.log.metrics(row)
-        if diverged is not None:
-            raise diverged
+        """The log step (:meth:`RunShell.log_step`); a rewind decided there restores the state
+        and the row is written all the same (the loop goes on). **Syncs** once."""
+        if lr is None:
+            lr = _copy(self.optimizer.param_groups[0]["lr"])
+        row = self.shell.log_step(step, DeviceFigures(self._device()), stats=stats, lr=lr)
+        assert row is not None
         return row
+
+    def _rewound(self, rewind: Rewind) -> bool:
+        self._apply(rewind)
+        return False  # the loop's own position goes on: the interval's row is written
 
     def _apply(self, rewind: Rewind | None) -> None:
         """A rollback or fallback restored weights, optimizer state and scale: put the caller's
@@ -667,26 +591,12 @@ class ProtectedRun:
             except TrainAborted as e:
                 status = e.status
         self.status = status
-        assert self.log is not None
-        summary = run_summary(
-            status,
-            framework=self.framework,
-            model=self.model,
-            precision=self.precision,
-            final_loss=self.last_row.get("loss"),
-            steps=self._step,
-            max_steps=self.max_steps,
-            events=self.log.event_counts() if self.is_main else {},
-            wall_s=self._elapsed(),
-            tokens=self._tokens_total,
-            run_dir=self.run_dir,
-        )
-        err = self.log.summary(summary)
-        if err:
-            summary["summary_error"] = err
-        if self._plot and self.is_main:
-            self._send_plot()
-        self.log.close(status)
+        summary = self.shell.summary(status, self._step)
+        self.shell.write_summary(summary)
+        logging = self.options.logging
+        if logging is not None and logging.plot and self.is_main:
+            self.shell.plot()
+        self.shell.log.close(status)
         self._release()
         if self.display is not None and callable(getattr(self.display, "summary", None)):
             self.display.summary(summary)
@@ -694,14 +604,6 @@ class ProtectedRun:
             self.display.__exit__(None, None, None)
         self.summary = summary
         return summary
-
-    def _send_plot(self) -> None:
-        """``plot.png`` into the run folder and to the sinks (nothing without matplotlib)."""
-        from ampctl.commands.plot import maybe_plot_run
-
-        got = maybe_plot_run(self.run_dir)
-        if isinstance(got, Path) and self.log is not None:
-            self.log.artifact(got)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -713,8 +615,7 @@ class ProtectedRun:
             "step": self._step,
             "updates": self.scaler.num_updates,
             "protection": self.protection.state_dict(),
-            "tokens": self._tokens_total,
-            "wall_s": self._elapsed(),
+            **self.shell.accounts(),
             "precision": self.precision.name,
             "in_fp32": list(self.precision.in_fp32),
         }
@@ -735,8 +636,7 @@ class ProtectedRun:
         self._updates_seen = int(state.get("updates", self.scaler.num_updates))
         self._resumed_from = resumed_from
         self.protection.load_state_dict(dict(state.get("protection", state.get("guard", {}))))
-        self._tokens_total = int(state.get("tokens", 0))
-        self._wall_before = float(state.get("wall_s", 0.0))
+        self.shell.load_accounts(state)
         for name in saved_in_fp32(state):
             try:
                 self.precision.to_fp32(self.model, name)
@@ -805,28 +705,8 @@ _LATE_CALL = (
 )
 
 
-def _scalar(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A recorded loss as one fp32 number on the device (its mean when it has several). No host
-    read."""
-    if t is None:
-        return None
-    t = t.float()
-    return t.mean() if t.numel() != 1 else t.reshape(())
-
-
 def _copy(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _check_counts(**counts: int | None) -> None:
-    """The run's cadence arguments: one line naming the argument that is off."""
-    for name, value in counts.items():
-        ok = (value is None and name == "max_steps") or (is_int(value) and value >= 1)
-        if not ok:
-            allowed = "None or an integer >= 1" if name == "max_steps" else "an integer >= 1"
-            raise IntegrationError(
-                f"ProtectedRun: {name}={value!r} is not allowed: {name} must be {allowed}"
-            )
 
 
 def _loop_precision(
@@ -871,25 +751,3 @@ def _loop_precision(
     )
     amp.prepare(model)
     return amp
-
-
-def _fields_arg(cls: type, value: Any, arg: str) -> Any:
-    """``value`` as a ``cls`` config (``GuardConfig``, ``LoggingConfig``): one already, or a
-    mapping of its fields; anything else is an :class:`IntegrationError` naming ``arg``."""
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise IntegrationError(
-            f"ProtectedRun: {arg}={value!r} is not allowed: {arg} must be a {cls.__name__} or a "
-            "mapping of its fields"
-        )
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise IntegrationError(
-            f"ProtectedRun: {arg} has unknown fields {unknown}; allowed: {', '.join(sorted(names))}"
-        )
-    try:
-        return cls(**value)
-    except FieldError as e:
-        raise IntegrationError(e.named(arg)) from None

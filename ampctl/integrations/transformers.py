@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +52,8 @@ import torch
 from ampctl.amp import LossScaler
 from ampctl.files import write_file, write_text
 from ampctl.protect.protection import TrainAborted
-from ampctl.protect.settings import GuardConfig
 
-from .common import IntegrationError, require
+from .common import IntegrationError, RunOptions, SchedulerProgress, require
 from .protected_run import LoopInfo, ProtectedRun
 
 require("transformers", "transformers", "ampctl.integrations.transformers")
@@ -79,50 +77,22 @@ SCALER_FILE = "ampctl_scaler.pt"
 _MARK = "_ampctl_callback"
 
 
-class _SchedulerProgress:
-    """What a rollback rewinds besides weights, optimizer state and scale: the lr scheduler."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        sch = self.trainer.lr_scheduler
-        return {"scheduler": copy.deepcopy(sch.state_dict()) if sch is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        sch = self.trainer.lr_scheduler
-        if sch is not None and state.get("scheduler") is not None:
-            sch.load_state_dict(copy.deepcopy(state["scheduler"]))
-
-
 class AmpctlTrainerCallback(TrainerCallback):
     """The run folder and the guard for an HF Trainer; made by :func:`protect_trainer` (which
-    also feeds it each micro-batch's loss and inputs)."""
+    also feeds it each micro-batch's loss and inputs). ``options``: :func:`protect_trainer`'s."""
 
     def __init__(
         self,
         trainer: Trainer,
         run_dir: str | Path,
         *,
-        guard: GuardConfig | Mapping[str, Any] | None = None,
-        log_every: int | None = None,
-        display: Any = None,
-        fp32_modules: Iterable[str] = (),
-        overflow_window: int = 50,
-        tensorboard: bool = False,
         skip_aware_lr: bool = True,
-        logging: Any = None,
+        **options: Any,
     ) -> None:
+        self.options = RunOptions.given("AmpctlTrainerCallback", options)
         self.trainer = trainer
         self.skip_aware_lr = skip_aware_lr
         self.run_dir = Path(run_dir)
-        self.guard = guard
-        self.log_every = log_every
-        self.display = display
-        self.fp32_modules = list(fp32_modules)
-        self.overflow_window = overflow_window
-        self.tensorboard = tensorboard
-        self.logging = logging
         self.run: ProtectedRun | None = None
         self.status = "ok"
         self.resume_from: str | None = None
@@ -139,21 +109,19 @@ class AmpctlTrainerCallback(TrainerCallback):
                 "the callback with protect_trainer(trainer), not callbacks=[...]"
             )
         self.status = "ok"
+        opts = self.options
         self.run = ProtectedRun(
             tr.model,
             tr.optimizer,
             scaler,
             precision=precision_of(acc),
             run_dir=self.run_dir,
-            guard=self.guard,
-            log_every=self.log_every or max(int(args.logging_steps), 1),
             max_steps=state.max_steps if state.max_steps and state.max_steps > 0 else None,
-            overflow_window=self.overflow_window,
-            display=self.display,
-            progress=_SchedulerProgress(tr),
-            fp32_modules=self.fp32_modules,
-            tensorboard=self.tensorboard,
-            logging=self.logging if self.logging is not None else _reported(args),
+            progress=SchedulerProgress(lambda: [s for s in [tr.lr_scheduler] if s is not None]),
+            **opts.keywords(
+                log_every=opts.log_every or max(int(args.logging_steps), 1),
+                logging=opts.logging if opts.logging is not None else _reported(args),
+            ),
             loop=LoopInfo(
                 framework="transformers",
                 config={"transformers": {"optim": str(args.optim), "output_dir": args.output_dir}},
@@ -278,14 +246,8 @@ def protect_trainer(
     run_dir: str | Path | None = None,
     *,
     scaler: LossScaler | None = None,
-    guard: GuardConfig | Mapping[str, Any] | None = None,
-    log_every: int | None = None,
-    display: Any = None,
-    fp32_modules: Iterable[str] = (),
     skip_aware_lr: bool = True,
-    overflow_window: int = 50,
-    tensorboard: bool = False,
-    logging: Any = None,
+    **options: Any,
 ) -> AmpctlTrainerCallback:
     """Give ``trainer`` ampctl's LossScaler, guard and run folder (module docstring); returns the
     callback (its ``run`` is the :class:`~ampctl.integrations.ProtectedRun` once training starts).
@@ -294,20 +256,14 @@ def protect_trainer(
         trainer: a ``transformers.Trainer`` (or subclass), before ``train()``.
         run_dir: the run folder; default ``<output_dir>/ampctl``.
         scaler: the LossScaler (default: ampctl's defaults with the Trainer's precision).
-        guard: a :class:`~ampctl.protect.protection.GuardConfig` or a mapping of its fields.
-        log_every: metrics row interval in optimizer steps (default ``logging_steps``).
-        display: a :class:`~ampctl.ui.display.Display` mode (``auto``, ``live``, ``plain``,
-            ``quiet``) or object for the live table (pass ``disable_tqdm=True`` to the
-            arguments to keep one display).
-        fp32_modules: fnmatch patterns of module names kept in fp32.
         skip_aware_lr: the lr scheduler does not advance on skipped steps, also with a fused
             optimizer (one host read per step there).
-        overflow_window: the steps a row's ``overflow_rate`` covers.
-        tensorboard: also write TensorBoard scalars into the run folder.
-        logging: the sinks beside the run folder and the plot: a ``LoggingConfig`` or a mapping
-            of its fields (:class:`~ampctl.integrations.ProtectedRun`). Default: the trackers
-            the Trainer reports to (``report_to`` with ``mlflow`` / ``wandb``), where ampctl's
-            figures join the Trainer's own run instead of opening a second one.
+        options: :class:`~ampctl.integrations.common.RunOptions`: ``guard``, ``log_every``
+            (default ``logging_steps``),
+            ``display`` (pass ``disable_tqdm=True`` to the arguments to keep one display),
+            ``fp32_modules``, ``overflow_window``, ``tensorboard``, ``logging`` (default: the
+            trackers the Trainer reports to, ``report_to`` with ``mlflow`` / ``wandb``, where
+            ampctl's figures join the Trainer's own run instead of opening a second one).
     """
     if not isinstance(trainer, Trainer):
         raise IntegrationError(
@@ -315,6 +271,7 @@ def protect_trainer(
         )
     if getattr(trainer, _MARK, None) is not None:
         raise IntegrationError("protect_trainer: this Trainer is protected already")
+    opts = RunOptions.given("protect_trainer", options)  # checked before anything changes
     template = copy.deepcopy(scaler) if scaler is not None else None
     # whether a plain Trainer with these arguments has a scaler of its own (Accelerate's
     # GradScaler: fp16 on a GPU); it decides where the LossScaler's state is saved
@@ -332,14 +289,8 @@ def protect_trainer(
     cb = AmpctlTrainerCallback(
         trainer,
         run_dir if run_dir is not None else Path(trainer.args.output_dir, "ampctl"),
-        guard=guard,
-        log_every=log_every,
-        display=display,
-        fp32_modules=fp32_modules,
-        overflow_window=overflow_window,
-        tensorboard=tensorboard,
         skip_aware_lr=skip_aware_lr,
-        logging=logging,
+        **opts.keywords(),
     )
     trainer.add_callback(cb)
     setattr(trainer, _MARK, cb)

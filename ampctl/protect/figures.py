@@ -182,7 +182,7 @@ def gather_log_figures(
     sharded: bool = False,
 ) -> None:
     """Add every figure of a log step to ``fig`` under the names
-    :func:`~ampctl.protect.records.metrics_row` reads: the interval's loss, the gradient
+    :meth:`~ampctl.protect.shell.RunShell.row` reads: the interval's loss, the gradient
     statistics (when taken), the scaler's counters, the recent skips, the lr, the probes' figures
     and the protection's (:meth:`~ampctl.protect.protection.Protection.log_figures`: the waiting
     decisions of the fused path, the spike rule's window).

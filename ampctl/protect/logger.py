@@ -87,8 +87,11 @@ class RunLogger:
             self.display.event(ev)
 
     def event_counts(self) -> dict[str, int]:
-        """Events per kind in the run's main line (read from events.jsonl: across resumes)."""
+        """Events per kind in the run's main line (read from events.jsonl: across resumes);
+        none on other ranks."""
         counts: dict[str, int] = {}
+        if not self.is_main:
+            return counts
         for ev in read_jsonl(self.layout.events):
             kind = str(ev.get("kind"))
             counts[kind] = counts.get(kind, 0) + 1

@@ -58,12 +58,11 @@ from ampctl.amp.fp8 import Fp8Health
 from ampctl.amp.guard import Action, Decision, DivergenceWatch, OverflowGuard
 from ampctl.amp.overflow import names_flagged, nonfinite_flags
 from ampctl.amp.precision import Precision, bf16_supported
-from ampctl.amp.scaler import LossScaler
+from ampctl.amp.spike import SpikeRule
 from ampctl.protect.loss import ForwardLoss, default_forward
 from ampctl.protect.replays import Replays
 from ampctl.protect.settings import GuardConfig
 from ampctl.protect.snapshot import Snapshot
-from ampctl.protect.spike import SpikeRule
 from ampctl.protect.switch import switch_precision
 
 __all__ = ["Protection", "Rewind", "TrainAborted", "TrainDiverged"]
@@ -204,18 +203,11 @@ class Protection(Replays):
         self.retried = False  # the last step was skipped, rerun clean and applied
         self._rng_at_step: Any = None
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def scaler(self) -> LossScaler:
-        return self.precision.scaler
-
-    @property
-    def enabled(self) -> bool:
-        return self.config.enabled
-
-    @property
-    def snapshots(self) -> bool:
-        return self.config.enabled and self.config.snapshot_every > 0
+    # ------------------------------------------------------------------ views
+    scaler = property(lambda self: self.precision.scaler)
+    enabled = property(lambda self: self.config.enabled)
+    #: whether the guard keeps snapshots to roll back to
+    snapshots = property(lambda self: self.enabled and self.config.snapshot_every > 0)
 
     def _device(self) -> torch.device:
         dev = self.scaler.device

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +39,11 @@ from ampctl.amp import make_precision
 from ampctl.amp.actgrad import ActGradProbe
 from ampctl.amp.precision import saved_in_fp32
 from ampctl.amp.stats import grad_stats
-from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, gather_log_figures, sampling
+from ampctl.protect.figures import DeviceFigures, LogWindow, Probe, sampling
 from ampctl.protect.logger import RunLogger
 from ampctl.protect.loss import extract_loss
 from ampctl.protect.protection import Protection, Rewind, TrainAborted, TrainDiverged
-from ampctl.protect.records import metrics_row, run_summary, write_config
+from ampctl.protect.shell import RunShell, Shelled, write_config
 from ampctl.runlog import RunLayout, as_number, branch_event, prepare_resume, read_jsonl
 from ampctl.runlog.layout import checkpoint_step
 from ampctl.train.builders import (
@@ -102,7 +101,7 @@ class StepOutput:
     stats: dict[str, torch.Tensor] | None  # gradient statistics (log steps)
 
 
-class Trainer:
+class Trainer(Shelled):
     """Build everything from a config and run the protected loop.
 
     Args:
@@ -162,6 +161,15 @@ class Trainer:
             dist=self.ctx,
             rerun_clip=cfg.optim.clip_grad_norm,
         )
+        self.shell = RunShell(
+            self.protection,
+            self.run_dir,
+            framework="ampctl",
+            max_steps=cfg.trainer.max_steps,
+            overflow_window=cfg.trainer.overflow_window,
+            on_rewind=self._rewound,
+            log=self.log,
+        )
         self.lr_scale = 1.0  # the lr multiplier rollbacks for divergence have cut
         self.diverged_since: int | None = None
         # the overrides of the command line that started the run (``ampctl train``): the
@@ -176,14 +184,9 @@ class Trainer:
         self._params_list: list[nn.Parameter] = []
         self.step = 0
         self.applied: int | torch.Tensor = 0  # optimizer steps applied (drives the lr schedule)
-        self.window = LogWindow(first_update=self.scaler.num_updates)
-        self.last_metrics: dict[str, Any] = {}
         self.failure: str | None = None
         self._stop_signal: int | None = None
         self._stop_agreed = False  # under torchrun all ranks stop together, at a log step
-        self._wall0 = time.perf_counter()
-        self._wall_before = 0.0
-        self._tokens_total = 0
         if resume is not None:
             self._load(resume)
         if self.fused:
@@ -268,19 +271,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ views
     @property
-    def precision(self):
-        """The precision plugin in use (a fallback replaces it)."""
-        return self.protection.precision
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.protection.optimizer
-
-    @property
-    def scaler(self):
-        return self.precision.scaler
-
-    @property
     def params(self) -> list[nn.Parameter]:
         """The parameters the optimizer steps (fp32 masters in fp16-pure); listed again only
         when the precision or the optimizer changes (a fallback), not on every step."""
@@ -304,21 +294,13 @@ class Trainer:
         d = self.cfg.data
         return d.batch_size * d.seq_len * self.cfg.trainer.grad_accum_steps * self.ctx.world_size
 
-    def _wall(self) -> float:
-        return self._wall_before + time.perf_counter() - self._wall0
-
     # ------------------------------------------------------------------ the loop
     def run(self, *, close_log: bool = True) -> TrainResult:
         """Train to ``trainer.max_steps``. Writes metrics, events, checkpoints and summary.
         ``close_log=False`` leaves the sinks open after the summary (the caller sends the plot
         and closes ``self.log``)."""
         status, code = "ok", 0
-        t = time.perf_counter()
-        self.log.open(self.step, self.cfg.to_dict())
-        # starting a sink (an MLflow store, W&B's process) is not training time
-        opened = time.perf_counter() - t
-        self._wall0 += opened
-        self.window.t0 += opened
+        self.shell.open(self.step, self.cfg.to_dict())
         with _Signals(self):
             try:
                 self.protection.start(self.step)
@@ -350,9 +332,8 @@ class Trainer:
                 self.log.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
                 raise
         summary = self._summary(status)
-        err = self.log.summary(summary)
+        err = self.shell.write_summary(summary)
         if err:
-            summary["summary_error"] = err
             if code == 0:  # trained to the end, but the run folder lacks its summary
                 code = 1
                 self.failure = (
@@ -428,12 +409,11 @@ class Trainer:
         self._set_lr()
         skipped = precision.optimizer_step(self.optimizer)
         self.step += 1
-        self._tokens_total += self.tokens_per_step
+        self.shell.add_tokens(self.tokens_per_step)  # its loss is the scaler's record
         if skipped is False:
             self.applied += 1
         elif skipped is None:  # fused: the step counts unless the scaler skipped it (device)
             self.applied = self.applied + (1 - self.scaler.skip_flag())
-        self.window.tokens += self.tokens_per_step  # its loss is the scaler's record
         return StepOutput(skipped=skipped, batches=batches, stats=stats)
 
     def _forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -459,58 +439,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
     def log_step(self, out: StepOutput) -> dict[str, Any] | None:
-        """Read the interval's figures in one transfer, take the guard's waiting decisions (fused
-        path), write the row. Returns the row (None when a decision discarded the interval)."""
+        """The log step (:meth:`RunShell.log_step`), with this loop's probes and its stop flag
+        (the ranks stop together). Returns the row (None when a decision discarded the
+        interval)."""
         probes = self.active_probes()  # before the read: a fallback decided there keeps the row
-        fig = self._figures(out.stats, probes)
-        vals = fig.read(self.ctx)  # the log read
-        if vals["stop"] > 0 and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM  # another rank was signalled
-        self._stop_agreed = vals["stop"] > 0
-        window, self.window = self.window, LogWindow(first_update=self.scaler.num_updates)
-        diverged = None
-        try:
-            rewind = self.protection.on_log_read(self.step, vals)
-        except TrainDiverged as e:  # the row the rule held on is written, then the run stops
-            rewind, diverged = None, e
-        if rewind is not None:  # a late rollback discarded the interval's steps
-            self.apply_rewind(rewind)
-            return None
-        row = metrics_row(
-            vals,
-            step=self.step,
-            scaler=self.scaler,
-            precision=self.precision.name,
-            overflow_window=self.cfg.trainer.overflow_window,
-            max_steps=self.cfg.trainer.max_steps,
-            tokens=window.tokens,
-            seconds=time.perf_counter() - window.t0,
-            elapsed_s=self._wall(),
-            probes=probes,
-        )
-        self.last_metrics = row
-        self.log.metrics(row)
-        if diverged is not None:
-            raise diverged
-        self.protection.after_log(self.step)  # fp8 layer demotions from the probe's figures
-        return row
-
-    def _figures(self, stats: dict[str, torch.Tensor] | None, probes: list[Probe]) -> DeviceFigures:
         fig = DeviceFigures(self.device)
         fig.add("stop", float(self._stop_signal is not None), "max")
-        gather_log_figures(
+        return self.shell.log_step(
+            self.step,
             fig,
-            window=self.window,
-            stats=stats,
-            scaler=self.scaler,
-            overflow_window=self.cfg.trainer.overflow_window,
+            stats=out.stats,
             lr=self.optimizer.param_groups[0]["lr"],
             probes=probes,
-            protection=self.protection,
+            ctx=self.ctx,
             # FSDP's gradients are sharded: combine over ranks; DDP's are already all-reduced
             sharded=self.ctx.enabled and self.ctx.strategy == "fsdp",
+            on_read=self._agree_stop,
         )
-        return fig
+
+    def _agree_stop(self, values: dict[str, Any]) -> None:
+        """A rank that was signalled stops every rank, at this log step."""
+        if values["stop"] > 0 and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM  # another rank was signalled
+        self._stop_agreed = values["stop"] > 0
 
     # ------------------------------------------------------------------ rollback
     def _position(self) -> dict[str, Any]:
@@ -523,6 +474,10 @@ class Trainer:
             "data": self.data.state_dict(),
             "rng": rng_state(),
         }
+
+    def _rewound(self, rewind: Rewind) -> bool:
+        self.apply_rewind(rewind)
+        return True  # the position went back: the interval's steps run again
 
     def apply_rewind(self, rewind: Rewind) -> None:
         """Put the position of a rollback's (or fallback's) snapshot back; the interval's window
@@ -537,7 +492,7 @@ class Trainer:
         self.lr_scale *= rewind.lr_factor
         if rewind.skip_batches and pos is not None:
             self._skip_batches(rewind, pos["data"]["position"])
-        self.window = LogWindow(first_update=self.scaler.num_updates)
+        self.shell.window = LogWindow(first_update=self.scaler.num_updates)
 
     def _skip_batches(self, rewind: Rewind, restored: int) -> None:
         """``guard.skip_batches``: go on past the batches of the step that caused the rollback,
@@ -566,7 +521,7 @@ class Trainer:
         **Syncs** (copies the state to the host)."""
         model_sd, optim_sd = full_state(self.model, self.optimizer, self.ctx)
         per_rank = self.ctx.all_gather_object(
-            {"rng": rng_state(), "log_window": self.window.state_dict()}
+            {"rng": rng_state(), "log_window": self.shell.window.state_dict()}
         )
         return {
             "model": model_sd,
@@ -580,8 +535,7 @@ class Trainer:
             "master": self.precision.master_state(),
             "protection": self.protection.state_dict(),
             "trainer": {
-                "tokens": self._tokens_total,
-                "wall_s": self._wall(),
+                **self.shell.accounts(),
                 "lr_scale": self.lr_scale,
                 # written when the guard stopped the run: its scaler and optimizer hold what the
                 # trouble left (a collapsed scale), whatever its step: diagnose never resumes it
@@ -651,7 +605,9 @@ class Trainer:
             ) from None
         self.precision.load_master_state(ck.get("master"))
         self.scaler.load_state_dict(ck["scaler"])
-        self._apply_scaler_overrides(ck)
+        # the state comes from the checkpoint, the rules from the config (a changed
+        # scaler.init_scale sets the scale)
+        self.scaler.reconfigure(self.cfg.scaler, was=ck["config"]["scaler"])
         self.applied = int(ck["scheduler"]["applied"])
         self.data.load_state_dict({"position": self._local_position(ck)})
         same_ranks = saved["per_rank"] is not None and len(saved["per_rank"]) == self.ctx.world_size
@@ -660,11 +616,10 @@ class Trainer:
         # "guard": the key of checkpoints written by ampctl 0.2 and older
         self.protection.load_state_dict(ck.get("protection", ck.get("guard", {})))
         tr = ck.get("trainer", {})
-        self._tokens_total = int(tr.get("tokens", 0))
-        self._wall_before = float(tr.get("wall_s", 0.0))
+        self.shell.load_accounts(tr)
         self.lr_scale = float(tr.get("lr_scale", 1.0))
         lw = (mine["log_window"] if mine else ck.get("log_window")) or {}
-        self.window = LogWindow.from_state(lw, self.device)
+        self.shell.window = LogWindow.from_state(lw, self.device)
         if self.ctx.is_main and ck.get("path"):
             layout = RunLayout(self.run_dir)
             branch = prepare_resume(layout, Path(ck["path"]), self.step)
@@ -674,21 +629,7 @@ class Trainer:
             # (a resume at the end, e.g. a run killed before its summary, writes it from this)
             for row in read_jsonl(layout.metrics):
                 if as_number(row.get("step")) == self.step:
-                    self.last_metrics = row
-
-    def _apply_scaler_overrides(self, ck: dict[str, Any]) -> None:
-        """On resume the scaler's state (scale, trackers, counters) comes from the checkpoint,
-        its rules from the config: growth/backoff/interval/hysteresis/bounds follow the config,
-        and a changed ``scaler.init_scale`` sets the scale."""
-        s, old = self.cfg.scaler, ck["config"]["scaler"]
-        sc = self.scaler
-        sc.set_growth_factor(s.growth_factor)
-        sc.set_backoff_factor(s.backoff_factor)
-        sc.set_growth_interval(s.growth_interval)
-        sc.set_hysteresis(s.hysteresis)
-        sc.set_bounds(s.min_scale, s.max_scale)
-        if sc.is_enabled() and s.init_scale != old["init_scale"]:
-            sc.update(new_scale=s.init_scale)
+                    self.shell.last_row = row
 
     def _local_position(self, ck: dict[str, Any]) -> int:
         """This rank's data position; a run may resume on another number of ranks when the
@@ -705,22 +646,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the end
     def _summary(self, status: str) -> dict[str, Any]:
-        """summary.json (:func:`~ampctl.protect.records.run_summary`); a diverged run also names
-        the step its loss left its course and the last checkpoint written before it. **Syncs**
-        once."""
-        summary = run_summary(
-            status,
-            framework="ampctl",
-            model=self.model,
-            precision=self.precision,
-            final_loss=self.last_metrics.get("loss"),
-            steps=self.step,
-            max_steps=self.cfg.trainer.max_steps,
-            events=self.log.event_counts(),
-            wall_s=self._wall(),
-            tokens=self._tokens_total,
-            run_dir=self.run_dir,
-        )
+        """summary.json (:meth:`RunShell.summary`); a diverged run also names the step its loss
+        left its course and the last checkpoint written before it. **Syncs** once."""
+        summary = self.shell.summary(status, self.step)
         if self.diverged_since is not None:
             summary["diverged_since"] = self.diverged_since
         if status in ("diverged", "aborted"):

@@ -1,1 +1,1 @@
-"""Display: the live table, plain lines, and the TensorBoard sink."""
+"""Display: the live table, plain lines, the sinks beside the run folder, the run's picture."""

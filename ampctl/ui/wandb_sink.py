@@ -28,12 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampctl.protect.settings import WANDB_MODES
 from ampctl.ui.sinks import flatten, numeric_items, text_items
 
-__all__ = ["WandbSink", "MODES"]
-
-MODES = WANDB_MODES
+__all__ = ["WandbSink"]
 
 
 def _require():

@@ -567,7 +567,7 @@ def test_an_ordinary_run_is_drawn_from_every_row(tmp_path):
 def test_the_reduced_series_is_bounded_whatever_the_length():
     """At the real limits: 20,000 or 200,000 points (with rollbacks) hold the same few
     thousand, and every extreme is among them."""
-    from ampctl.commands.plot.decimate import BUCKETS, Decimator
+    from ampctl.ui.plot.decimate import BUCKETS, Decimator
 
     held = []
     for n in (20_000, 200_000):

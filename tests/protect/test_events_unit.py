@@ -12,9 +12,9 @@ from torch import nn
 
 from ampctl.amp import records as rec
 from ampctl.amp.precision import make_precision
+from ampctl.amp.spike import WindowStats
 from ampctl.protect.protection import Protection, _Pending
 from ampctl.protect.settings import GuardConfig
-from ampctl.protect.spike import WindowStats
 from tests.protect.recorded import row, scaler_with
 from tests.protect.test_protection_unit import Loop
 

@@ -1,4 +1,4 @@
-"""The spike rule (ampctl.protect.spike) on planted records: the window it reads, the thresholds it
+"""The spike rule (ampctl.amp.spike) on planted records: the window it reads, the thresholds it
 hands the scaler, the z-scores of an event and its saved state -- exactly, in milliseconds."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ampctl.amp import records as rec
+from ampctl.amp.spike import SpikeRule, WindowStats, _stats
 from ampctl.protect.figures import DeviceFigures
-from ampctl.protect.spike import SpikeRule, WindowStats, _stats
 from tests.protect.recorded import row, scaler_with
 
 INF, NAN = math.inf, math.nan

@@ -35,6 +35,7 @@ def protection_parts() -> dict[str, tuple[tuple[Any, str], ...]]:
     from ampctl.amp import LossScaler
     from ampctl.amp.actgrad import ActGradCounter
     from ampctl.amp.fp8 import CastRecord
+    from ampctl.protect import shell
     from ampctl.protect.figures import DeviceFigures, LogWindow
     from ampctl.protect.protection import Protection
     from ampctl.protect.snapshot import Snapshot
@@ -46,7 +47,7 @@ def protection_parts() -> dict[str, tuple[tuple[Any, str], ...]]:
         "log window": ((LogWindow, "add"),),
         "gradient stats": ((trainer_module, "grad_stats"),),
         "log-step figures": (
-            (trainer_module, "gather_log_figures"),
+            (shell, "gather_log_figures"),
             (DeviceFigures, "add"),
             (DeviceFigures, "read"),
             (Protection, "log_figures"),

@@ -24,19 +24,26 @@ names may only point inside the sweep folder.
 Nothing here touches a device: checkpoints are memory-mapped on the CPU. matplotlib is imported
 lazily and only its Agg canvas is used (no pyplot, no display); without matplotlib the
 functions raise :class:`PlotUnavailable` with an install hint, and :func:`maybe_plot_run` (what
-``ampctl train`` calls at the end) returns that hint instead of raising.
+every run calls at its end) returns that hint instead of raising.
+
+A run's drawing lives in :mod:`ampctl.ui.plot` (below the commands: the run shell draws it at the
+end of every loop's run); this command adds the sweep figure and other tools' histories (#40).
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 from ampctl.errors import UsageError
+from ampctl.ui.plot import decimate, run_data
+from ampctl.ui.plot import run_figure as _run_figure
+from ampctl.ui.plot.common import HINT, PlotUnavailable, _mpl
+from ampctl.ui.plot.run_data import RunData, SkipMark
+from ampctl.ui.plot.run_figure import maybe_plot_run
 
-from .common import HINT, PlotUnavailable, _mpl
-from .run_data import RunData, SkipMark, load_run_data
-from .run_figure import build_run_figure, plot_run
+from .foreign import foreign_run_data
 from .sweep_figure import SWEEP_METRICS, build_sweep_figure, plot_sweep
 
 __all__ = [
@@ -52,23 +59,16 @@ __all__ = [
     "maybe_plot_run",
     "run_plot",
     "SWEEP_METRICS",
+    "decimate",
+    "run_data",
 ]
 
 
-def maybe_plot_run(run_dir: str | Path) -> Path | str:
-    """What ``ampctl train`` calls at the end (and after Ctrl-C) when ``logging.plot`` is true:
-    writes ``<run>/plot.png`` and returns its path, or returns a one-line message instead of
-    raising when matplotlib is missing, there is nothing to draw yet (no metrics rows), or the
-    PNG cannot be written (OSError: disk full, read-only folder): a finished run never fails
-    because of its picture. No device reads."""
-    try:
-        return plot_run(run_dir)
-    except PlotUnavailable as e:
-        return str(e)
-    except UsageError as e:
-        return f"no plot: {e}"
-    except OSError as e:
-        return f"no plot: writing {Path(run_dir) / 'plot.png'} failed: {e.strerror or e}"
+# a run as drawn by ampctl.ui.plot, or another tool's history beside a folder without
+# metrics.jsonl (#40)
+load_run_data = partial(run_data.load_run_data, foreign=foreign_run_data)
+build_run_figure = partial(_run_figure.build_run_figure, foreign=foreign_run_data)
+plot_run = partial(_run_figure.plot_run, foreign=foreign_run_data)
 
 
 def run_plot(path: Path, out: Path | None = None, baseline: Path | list[Path] | None = None) -> int:

@@ -2,7 +2,8 @@
 whose TensorBoard events, W&B offline run or MLflow store diagnose finds beside it
 (:func:`ampctl.commands.diagnose.readers.histories.history_rows`), read by the same readers.
 
-Kept to one call from :func:`.run_data.load_run_data` so the plot code stays its own."""
+Handed to :func:`ampctl.ui.plot.run_data.load_run_data` by ``ampctl plot`` (one call), so the
+drawing code stays its own and below the commands."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def foreign_run_data(path: str | Path, make: Any) -> Any:
     if found is None:
         return None
     source, rows, notes = found
-    from .decimate import Decimator
+    from ampctl.ui.plot.decimate import Decimator
 
     keys = tuple(dict.fromkeys((*make.KEYS, "lr")))  # the drawn series, and the lr
     metrics = Decimator(keys)

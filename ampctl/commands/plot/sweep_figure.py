@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from ampctl.errors import UsageError
 from ampctl.runlog.readers import JsonArrayStream
-
-from .common import _check_out, _fmt_scale, _mpl, _save, _split_kept
-from .run_data import load_run_data
+from ampctl.ui.plot.common import _check_out, _fmt_scale, _mpl, _save, _split_kept
+from ampctl.ui.plot.run_data import load_run_data
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

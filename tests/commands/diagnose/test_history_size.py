@@ -39,7 +39,7 @@ def loss_at(i: int, n: int, rng: random.Random) -> float:
 
 
 def metrics_row(step: int, loss: float, skipped: int, scale: float, lr: float) -> dict:
-    """A row with the keys ampctl's own writer gives (ampctl.protect.records.metrics_row)."""
+    """A row with the keys ampctl's own writer gives (ampctl.protect.shell.RunShell.row)."""
     return {
         "step": step,
         "loss": loss if math.isfinite(loss) else "nan",

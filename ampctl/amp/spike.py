@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ampctl.amp import records as rec
+from . import records as rec
 
 __all__ = ["SpikeRule", "WindowStats"]
 

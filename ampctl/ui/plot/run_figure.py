@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ampctl.errors import UsageError
 from ampctl.runlog import RunLayout, describe_lineage
 
 from . import run_data as _run_data
 from .common import (
     EVENT_STYLE,
     RESTORING,
+    PlotUnavailable,
     _check_out,
     _draw_series,
     _fmt_scale,
@@ -287,18 +289,19 @@ def build_run_figure(
     baseline: str | Path | Sequence[str | Path] | None = None,
     *,
     branches: bool = True,
+    foreign: Any = None,
 ) -> Figure:
     """The run's figure (matplotlib Figure on an Agg canvas). Panels, top to bottom, sharing
     the step axis: loss (the baselines' -- one run or several -- and the discarded branches'
     overlaid), loss scale (log2, skipped steps marked), overflow rate (overflow events as
     ticks), grad norm with the parameter- and activation-gradient underflow fractions on a
-    second y-axis. Raises UsageError for bad folders and
-    PlotUnavailable without matplotlib. No device reads."""
+    second y-axis. ``foreign``: as :func:`~.run_data.load_run_data`'s. Raises UsageError for
+    bad folders and PlotUnavailable without matplotlib. No device reads."""
     Figure, FigureCanvasAgg = _mpl()
     from matplotlib.ticker import MaxNLocator
 
-    data = load_run_data(run_dir)
-    bases = [load_run_data(b) for b in _as_list(baseline)]
+    data = load_run_data(run_dir, foreign)
+    bases = [load_run_data(b, foreign) for b in _as_list(baseline)]
     fig = Figure(figsize=(10, 9.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale, ax_rate, ax_gn = fig.subplots(
@@ -354,6 +357,7 @@ def plot_run(
     out: str | Path | None = None,
     baseline: str | Path | Sequence[str | Path] | None = None,
     notes: list[str] | None = None,
+    foreign: Any = None,
 ) -> Path:
     """Draw a run folder into ``out`` (default ``<run>/plot.png``); returns the path. Written
     atomically (a temp file renamed over the target). ``notes``, when given, receives one line
@@ -361,7 +365,23 @@ def plot_run(
     run_dir = Path(run_dir)
     if out is not None:
         _check_out(Path(out))  # before any drawing
-    fig = build_run_figure(run_dir, baseline=baseline)
+    fig = build_run_figure(run_dir, baseline=baseline, foreign=foreign)
     if notes is not None:
         notes.extend(fig.ampctl_notes)
     return _save(fig, Path(out) if out is not None else run_dir / "plot.png")
+
+
+def maybe_plot_run(run_dir: str | Path) -> Path | str:
+    """What a run calls at its end (and after Ctrl-C) when ``logging.plot`` is true: writes
+    ``<run>/plot.png`` and returns its path, or returns a one-line message instead of raising
+    when matplotlib is missing, there is nothing to draw yet (no metrics rows), or the PNG cannot
+    be written (OSError: disk full, read-only folder): a finished run never fails because of its
+    picture. No device reads."""
+    try:
+        return plot_run(run_dir)
+    except PlotUnavailable as e:
+        return str(e)
+    except UsageError as e:
+        return f"no plot: {e}"
+    except OSError as e:
+        return f"no plot: writing {Path(run_dir) / 'plot.png'} failed: {e.strerror or e}"

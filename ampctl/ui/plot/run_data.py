@@ -255,16 +255,16 @@ def _stream_branch_loss(path: Path) -> Decimator:
     return dec
 
 
-def load_run_data(run_dir: str | Path) -> RunData:
+def load_run_data(run_dir: str | Path, foreign: Any = None) -> RunData:
     """Read a run folder: metrics, events, summary, and the exact skipped steps and per-step
     scale from the latest checkpoint's scaler history when it is there and consistent with the
     events; otherwise skips per log interval from the metrics. One streaming pass per file,
     memory bounded by the figure's resolution. Raises UsageError for a missing folder, no
-    metrics.jsonl, or no rows. Reads the checkpoint on the CPU (no device)."""
-    from .foreign import foreign_run_data  # another tool's log beside it (#40)
-
-    if (foreign := foreign_run_data(run_dir, RunData)) is not None:
-        return foreign
+    metrics.jsonl, or no rows. Reads the checkpoint on the CPU (no device). ``foreign``:
+    ``foreign(run_dir, RunData)``, another tool's log beside a folder that has no metrics.jsonl
+    (#40: ``ampctl plot`` passes diagnose's readers), or None."""
+    if foreign is not None and (data := foreign(run_dir, RunData)) is not None:
+        return data
     run_dir = _check_run_dir(Path(run_dir))
     lay = RunLayout(run_dir)
     notes: list[str] = []
