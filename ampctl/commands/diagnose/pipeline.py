@@ -474,7 +474,7 @@ def _diagnose(
     before = j.verdict.first_bad_step if healthy else None
     checked = None
     origin = None if _at_the_end(j, cfg, recs) else j.resume  # a run's last step resumes nothing
-    if j.problems and recs:
+    if j.problems and (recs or origin):  # a change, or resuming unchanged, is tried first
         outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe, origin)
         recs = apply_probe(recs, outcome)
         checked = outcome.line()

@@ -216,7 +216,7 @@ def recommend(
     """The recommendations, rule by rule (numbered below), from the verdict ``j``."""
     recs = _Recs(fmt)
     kinds = {p.kind for p in j.problems}
-    # 1) lr: a divergence lowers it by the history's factor; exploding updates halve it
+    # 1) lr: a divergence of the loss gives it from the history; exploding updates are clipped
     _lr_rules(recs, settings, kinds, j)
     # an lr divergence is the cause: the overflows it led to are its effect, so no precision
     # change (the module overflowed because the weights blew up, not for fp16's range)
@@ -267,7 +267,9 @@ def recommend(
 def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) -> None:
     """1) the lr the history gives (:func:`.verdict.lr_change`; a probe may replace it with the
     best candidate that held, :mod:`.probe`), a warmup when the loss rose from the first
-    updates, and clipping."""
+    updates, and clipping. No lr without a divergence of the loss: updates that blew up while
+    the loss kept its course show no lr to go back to (clipping bounds them), and non-finite
+    values no update explains are no lr problem (:func:`.verdict.judge` says so)."""
     exploding = {
         "nonfinite_optimizer_state",
         "extreme_optimizer_state",
@@ -275,7 +277,10 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
         "forward_nonfinite_fp32",
         "backward_nonfinite_fp32",
     }
-    unchecked = kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled
+    lr_first = bool(j.problems) and j.problems[0].kind == "lr_divergence"
+    unchecked = (
+        kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled and not lr_first
+    )
     ch = j.lr
     if ch is not None and ch.lr is not None and not unchecked:
         what = (
@@ -295,18 +300,11 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
                 f"optim.warmup_steps={max(10, 2 * d.step)}",
                 "the loss rose at the first updates: ramp the learning rate up",
             )
-    if kinds & exploding and settings.lr is not None and not unchecked:
-        # no divergence of the loss to read an lr from (the updates blew up while it held):
-        # half the lr, a step down the probe can check
-        recs.add(
-            f"optim.lr={plain(settings.lr / 2)}",
-            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too) while the "
-            "loss kept its course, so the history shows no lr to go back to: halve it",
-        )
     if (
         kinds & (exploding | {"lr_divergence"})
         and (settings.lr is not None or j.lr)
         and not unchecked
+        and not j.unexplained
     ):
         if not settings.clip_known:
             recs.add(
