@@ -183,27 +183,26 @@ def probe_advice(
     trust_code: bool,
     device: torch.device,
     budget_s: float = BUDGET_S,
+    found: Any = None,
+    rebuild: str | None = None,
+    run_lr: float | None = None,
 ) -> ProbeOutcome:
     """Probe ``overrides`` (the recommended changes; ``optim.lr`` replaced by each rung of
     ``ladder`` in turn, highest first) from ``resume`` (a checkpoint path; None: a fresh start).
     Goes down the ladder until a rung that held is followed by one that holds no better (or not
-    at all), within ``budget_s`` and :data:`MAX_TRIALS`. **Syncs** (it trains)."""
+    at all), within ``budget_s`` and :data:`MAX_TRIALS`. An ampctl run is retrained by its own
+    loop; another tool's by :mod:`.probe_loop` (a Hugging Face folder with ``config.json``, or
+    any run whose model the user's ``rebuild`` factory builds). **Syncs** (it trains)."""
     from ampctl.config import ConfigError
     from ampctl.errors import UsageError, first_line
-    from ampctl.protect.advice import fmt_lr
     from ampctl.train.checkpoint import load_checkpoint
 
-    if fmt != "ampctl":
-        return ProbeOutcome(
-            False,
-            f"a {fmt} checkpoint: the probe reruns ampctl's own training loop from the "
-            "checkpoint, and this run's loop, data and optimizer setup are your code, so the "
-            "advice is not tried (an ampctl train run's is)",
-        )
+    if fmt != "ampctl" or rebuild:
+        return _foreign(fmt, found, resume, overrides, ladder, rebuild, run_lr, device, budget_s)
     if cfg is None:
-        return ProbeOutcome(False, cfg_reason or "the run's config cannot be rebuilt")
+        why = cfg_reason or "the run's config cannot be rebuilt"
+        return ProbeOutcome(False, f"{why}: pass --rebuild MODULE:FUNCTION to try the advice")
     ck = None
-    base = cfg
     if resume is not None:
         try:
             ck = load_checkpoint(Path(resume))
@@ -211,23 +210,34 @@ def probe_advice(
             return ProbeOutcome(False, f"the checkpoint {resume} cannot be loaded: {first_line(e)}")
         ck.pop("path", None)  # the probe's run folder is its own: nothing is set aside
     steps_from = int(ck["step"]) if ck is not None else 0
+    out = ProbeOutcome(True, origin=resume)
+
+    def one(lr: float | None, ov: list[str]) -> Trial:
+        run_cfg, out.data = _probe_config(cfg, ov, steps_from, trust_code, str(device))
+        out.steps = run_cfg.trainer.stop_at - steps_from
+        if out.steps < PATIENCES * PROBE_EVERY * run_cfg.guard.divergence_patience:
+            out.ends = run_cfg.trainer.max_steps
+        return _trial(run_cfg, ck, lr)
+
+    try:
+        return _walk(out, overrides, ladder, one, budget_s)
+    except (UsageError, ConfigError, RuntimeError, ValueError, KeyError) as e:
+        return ProbeOutcome(False, f"the probe could not be built: {first_line(e)}")
+
+
+def _walk(out: ProbeOutcome, overrides, ladder, one, budget_s: float) -> ProbeOutcome:
+    """The ladder walked with ``one(lr, overrides)`` (a :class:`Trial`) for each rung."""
+    from ampctl.protect.advice import fmt_lr
+
     rest = [o for o in overrides if not o.startswith("optim.lr=")]
     rungs: list[float | None] = list(ladder) or [None]
-    out = ProbeOutcome(True, origin=resume)
     t0 = time.perf_counter()
     while rungs and len(out.trials) < MAX_TRIALS and time.perf_counter() - t0 <= budget_s:
         lr = rungs.pop(0)
         ov = [*rest, *([f"optim.lr={fmt_lr(lr)}"] if lr is not None else [])]
-        try:
-            run_cfg, out.data = _probe_config(base, ov, steps_from, trust_code, str(device))
-            out.steps = run_cfg.trainer.stop_at - steps_from
-            if out.steps < PATIENCES * PROBE_EVERY * run_cfg.guard.divergence_patience:
-                out.ends = run_cfg.trainer.max_steps
-            trial = _trial(run_cfg, ck, float(fmt_lr(lr)) if lr is not None else None)
-            if not ov:
-                trial.what = "resumed as it was"
-        except (UsageError, ConfigError, RuntimeError, ValueError, KeyError) as e:
-            return ProbeOutcome(False, f"the probe could not be built: {first_line(e)}")
+        trial = one(float(fmt_lr(lr)) if lr is not None else None, ov)
+        if not ov:
+            trial.what = "resumed as it was"
         best = min((t for t in out.trials if t.held), key=lambda t: t.last, default=None)
         out.trials.append(trial)
         if best is not None and (not trial.held or trial.last >= best.last):
@@ -238,11 +248,52 @@ def probe_advice(
     return out
 
 
+def _foreign(fmt, found, resume, overrides, ladder, rebuild, run_lr, device, budget_s):
+    """The probe of a run ampctl did not train (:mod:`.probe_loop`), or why none ran."""
+    from ampctl.errors import UsageError, first_line
+    from ampctl.protect.settings import GuardConfig
+
+    from . import readers
+    from .probe_loop import hf_loop, loop_trial, rebuild_loop
+
+    if rebuild is None and (found is None or found.model_dir is None):
+        return ProbeOutcome(
+            False,
+            f"a {fmt} checkpoint stores weights but not how to build its model, and its loop, data and optimizer are your code: pass "
+            "--rebuild MODULE:FUNCTION (your factory of the model and its batches) to try the "
+            "advice (an ampctl run's, and a Hugging Face folder's with config.json, are tried)",
+        )
+    try:
+        start = readers.read(resume, fmt) if resume is not None else None
+        if rebuild is not None:
+            loop = rebuild_loop(rebuild, found, start, device)
+        else:
+            loop = hf_loop(found, start, device)
+    except (UsageError, OSError, RuntimeError, ValueError, ImportError) as e:
+        return ProbeOutcome(False, f"the model cannot be rebuilt: {first_line(e)}")
+    warmup = next(
+        (int(o.split("=")[1]) for o in overrides if o.startswith("optim.warmup_steps=")), 0
+    )
+    steps = warmup + PATIENCES * GuardConfig().divergence_patience * PROBE_EVERY
+    loop.lr = run_lr
+    out = ProbeOutcome(True, origin=resume, steps=steps, data=loop.data)
+
+    def one(lr: float | None, ov: list[str]) -> Trial:
+        status, rows, _ = loop_trial(loop, lr, ov, steps, PROBE_EVERY, device)
+        return judged(lr, status, None, rows, steps)
+
+    try:
+        return _walk(out, overrides, ladder, one, budget_s)
+    except (UsageError, ValueError, KeyError) as e:
+        return ProbeOutcome(False, f"the probe could not be built: {first_line(e)}")
+
+
 def _between(best: float | None, ladder: list[float], tried: list[float | None]) -> list[float]:
     """The lrs geometrically halfway between ``best`` and the rungs beside it, when the ladder's
-    spacing is wider than :data:`FINE` (not yet tried)."""
+    spacing is wider than :data:`FINE` (not yet tried), never above its first rung (the highest
+    lr the history supports: a short probe favours a high lr that a long run would not hold)."""
     if best is None or len(ladder) < 2 or ladder[0] / ladder[1] <= FINE:
         return []
     half = math.sqrt(ladder[0] / ladder[1])
-    near = [best / half, best * half]
+    near = [x for x in (best / half, best * half) if x <= 1.01 * ladder[0]]
     return [x for x in near if all(t is None or abs(t / x - 1) > 0.01 for t in tried)]

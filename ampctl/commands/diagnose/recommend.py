@@ -415,7 +415,7 @@ def _fp8_rules(fp8: Fp8Section | None, add: Callable[[str, str], None], bf16_ok:
         )
 
 
-def apply_probe(recs: list[Recommendation], outcome) -> list[Recommendation]:
+def apply_probe(recs: list[Recommendation], outcome, fmt: str = "ampctl") -> list[Recommendation]:
     """The recommendations with the lr the probe chose (:class:`.probe.ProbeOutcome`): the best
     candidate that held replaces the history's ``optim.lr``; with none held, the reason says so."""
     out = []
@@ -428,7 +428,7 @@ def apply_probe(recs: list[Recommendation], outcome) -> list[Recommendation]:
                     override,
                     f"{r.reason.split('; use lr')[0]}; the probe tried "
                     f"{len(outcome.trials)} lr(s) and lr {plain(chosen.lr)} held best",
-                    r.yours,  # None: only ampctl runs are probed
+                    yours(fmt, override),
                 )
             elif chosen is None:
                 r = Recommendation(r.override, f"{r.reason}; the probe: it did not hold", r.yours)

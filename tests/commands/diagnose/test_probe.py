@@ -96,3 +96,40 @@ def test_the_checkpoint_written_at_the_stop_is_never_a_resume_point(lr1):
     rep = diagnose(lr1, probe=False)
     (mine,) = [c for c in rep["checkpoints"] if c["path"] == str(stop)]
     assert not mine["healthy"] and rep["resume"]["checkpoint"] != str(stop)
+
+
+# ---------------------------------------------------------------------------- other tools' runs
+def test_an_hf_folder_is_probed_from_its_config_json(corpus):
+    """The HF Trainer's lr=1.0 run (no checkpoint before the trouble): the GPT-2 class from
+    config.json (nothing of the folder imported), trained afresh on synthetic batches of its
+    shape; the lr recommended in TrainingArguments' terms is the rung that held best."""
+    pytest.importorskip("transformers")
+    from tests.commands.diagnose.corpus.cases import BY_NAME
+
+    rep = diagnose(corpus.target(BY_NAME["hf/lr-1.0"]), device="cpu")
+    probe = rep["resume"]["probe"]
+    assert probe.startswith("probe (") and "from a fresh start" in probe, probe
+    assert "synthetic token batches of the model's shape" in probe
+    (lr,) = [r for r in rep["recommendations"] if r["override"].startswith("optim.lr=")]
+    value = lr["override"].split("=")[1]
+    assert f"recommended: lr {value}" in probe and "held best" in lr["reason"]
+    assert lr["yours"] == f"TrainingArguments(learning_rate={value})"
+
+
+def test_a_protectedrun_folder_is_probed_with_the_users_rebuild_factory(corpus):
+    """A ProtectedRun folder keeps no model: without --rebuild the probe says what would run
+    it; with the user's factory named on the command line, its model and batches are trained."""
+    from tests.commands.diagnose.corpus.cases import BY_NAME
+
+    run = corpus.target(BY_NAME["own/divergence-stop"])
+    rep = diagnose(run, device="cpu")
+    assert "pass --rebuild MODULE:FUNCTION" in rep["resume"]["probe"]
+    factory = "tests.commands.diagnose.corpus.ampctl_runs:rebuild"
+    rep = diagnose(run, device="cpu", rebuild=factory)
+    probe = rep["resume"]["probe"]
+    assert f"the batches of {factory}" in probe and "held" in probe, probe
+    (lr,) = [r for r in rep["recommendations"] if r["override"].startswith("optim.lr=")]
+    assert float(lr["override"].split("=")[1]) <= 0.001  # never above what the history gives
+    assert lr["yours"].startswith("torch.optim.AdamW(params, lr=")
+    rep = diagnose(run, device="cpu", rebuild="no_such_module:make")
+    assert "cannot import it" in rep["resume"]["probe"]
