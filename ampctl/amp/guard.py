@@ -358,9 +358,12 @@ def divergence(
     it was judged against (the run's first loss, or the lowest median of ``patience`` rows) and
     ``ratio`` ``now / reference`` (NaN when the last rows are not finite). None: no divergence.
     ``memory``: the course before ``losses`` (a resumed run's, rows an earlier divergence set
-    aside): its lowest and first medians count as the rows' own."""
+    aside): its lowest and first medians count as the rows' own, and the rows are judged from
+    the first on (a resume of a few rows would otherwise end before ``patience`` rows)."""
     k = rules.patience
-    if len(losses) < (k if memory is not None else max(k, rules.warmup + 1)):
+    if memory is not None:
+        k = min(k, len(losses))
+    if not losses or len(losses) < (k if memory is not None else max(k, rules.warmup + 1)):
         return None
     last = losses[-k:]
     finite = [x for x in losses[:-k] if _finite(x)]
