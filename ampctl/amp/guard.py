@@ -446,6 +446,8 @@ class DivergenceWatch:
             self.memory = None  # a warning: the course starts again from its new level
         else:  # stop, rollback: the run's best stays the reference, across a resume too
             mine = course_memory(self.losses[:-k], k)
+            if mine is None and self.start is not None and _finite(self.start):
+                mine = CourseMemory(self.start, self.start)  # too few rows: where it started
             self.memory = mine.merged(self.memory) if mine is not None else self.memory
         self.losses.clear()  # after a warning or a rollback, the course starts again
         self.steps.clear()

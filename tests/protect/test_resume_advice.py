@@ -41,6 +41,15 @@ def test_the_divergence_rule_remembers_the_run_s_best_loss_across_a_resume():
     short = DivergenceWatch(DivergenceRules())
     short.load_state_dict(saved)
     assert _feed(short, [44.33, 20.24], at=100)[0] is Action.ABORT
+    # stopped before it had patience rows of a course (7.8, then 17.7, 37.2, 51.2): the loss it
+    # started from is the course it remembers
+    early = DivergenceWatch(DivergenceRules())
+    early.start = 5.526
+    assert _feed(early, [7.845, 17.66, 37.2, 51.16])[-1] is Action.ABORT
+    assert early.memory is not None and early.memory.lowest == 5.526
+    resumed = DivergenceWatch(DivergenceRules())
+    resumed.load_state_dict(early.state_dict())
+    assert _feed(resumed, [44.33, 20.24], at=50)[0] is Action.ABORT
     # a checkpoint written before the memory was kept still loads (and judges as before)
     old = {k: v for k, v in saved.items() if k != "memory"}
     legacy = DivergenceWatch(DivergenceRules())
