@@ -133,3 +133,41 @@ def test_a_protectedrun_folder_is_probed_with_the_users_rebuild_factory(corpus):
     assert lr["yours"].startswith("torch.optim.AdamW(params, lr=")
     rep = diagnose(run, device="cpu", rebuild="no_such_module:make")
     assert "cannot import it" in rep["resume"]["probe"]
+
+
+def test_the_probe_covers_the_rest_of_the_warmup_then_four_patiences():
+    """The issue's lr=30 run: a 24-step probe from a fresh start (20 of them warmup) ranked lr
+    0.015 best; followed for 300 steps it stalled at 3.95 (the default run: 2.38). The probe
+    runs the warmup out and then 4 patiences at the lr itself."""
+    from ampctl.commands.diagnose.probe import PATIENCES, PROBE_EVERY, _probe_config
+
+    cfg = load_config([*FAST, "optim.warmup_steps=20", "trainer.max_steps=300"])
+    patience = cfg.guard.divergence_patience
+    run, _ = _probe_config(cfg, [], 0, False, "cpu")
+    assert run.trainer.stop_at == 20 + PATIENCES * patience * PROBE_EVERY
+    run, _ = _probe_config(cfg, [], 12, False, "cpu")  # from a checkpoint inside the warmup
+    assert run.trainer.stop_at == 12 + 8 + PATIENCES * patience * PROBE_EVERY
+    run, _ = _probe_config(cfg, ["optim.warmup_steps=50"], 100, False, "cpu")  # past it
+    assert run.trainer.stop_at == 100 + PATIENCES * patience * PROBE_EVERY
+
+
+def test_a_coarse_ladder_is_refined_around_its_best_never_above_its_first_rung():
+    from ampctl.commands.diagnose.probe import ProbeOutcome, Trial, _between, _walk
+
+    ladder = [1.5, 0.15, 0.015, 0.0015]  # the lr=30 run's, 10x apart
+    assert [round(x, 6) for x in _between(0.015, ladder, [1.5, 0.15, 0.015, 0.0015])] == [
+        0.004743,
+        0.047434,
+    ]
+    assert _between(1.5, ladder, [1.5, 0.15]) == [1.5 / 10**0.5]  # not above 1.5
+    assert _between(0.1, [0.1, 0.05], [0.1, 0.05]) == []  # 2x apart: fine enough
+    # the walk: down while each rung holds better, then halfway around the best
+    loss = {1.5: None, 0.15: 4.19, 0.015: 3.79, 0.0015: 4.01, 0.0047: 3.49, 0.047: 4.19}
+
+    def one(lr, ov):
+        got = loss[lr]
+        return Trial(lr, "ok" if got else "diverged", 5.5, got or 25.0, 44, got is not None)
+
+    out = _walk(ProbeOutcome(True), [], ladder, one, budget_s=60)
+    assert [t.lr for t in out.trials] == [1.5, 0.15, 0.015, 0.0015, 0.0047, 0.047]
+    assert out.chosen.lr == 0.0047
