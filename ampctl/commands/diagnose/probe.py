@@ -294,6 +294,8 @@ def _between(best: float | None, ladder: list[float], tried: list[float | None])
     lr the history supports: a short probe favours a high lr that a long run would not hold)."""
     if best is None or len(ladder) < 2 or ladder[0] / ladder[1] <= FINE:
         return []
+    from ampctl.protect.advice import fmt_lr
+
     half = math.sqrt(ladder[0] / ladder[1])
-    near = [x for x in (best / half, best * half) if x <= 1.01 * ladder[0]]
-    return [x for x in near if all(t is None or abs(t / x - 1) > 0.01 for t in tried)]
+    near = [float(fmt_lr(x)) for x in (best / half, best * half) if x <= 1.01 * ladder[0]]
+    return [x for x in near if all(t is None or abs(t / x - 1) > 0.05 for t in tried)]

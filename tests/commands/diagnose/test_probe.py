@@ -155,11 +155,10 @@ def test_a_coarse_ladder_is_refined_around_its_best_never_above_its_first_rung()
     from ampctl.commands.diagnose.probe import ProbeOutcome, Trial, _between, _walk
 
     ladder = [1.5, 0.15, 0.015, 0.0015]  # the lr=30 run's, 10x apart
-    assert [round(x, 6) for x in _between(0.015, ladder, [1.5, 0.15, 0.015, 0.0015])] == [
-        0.004743,
-        0.047434,
-    ]
-    assert _between(1.5, ladder, [1.5, 0.15]) == [1.5 / 10**0.5]  # not above 1.5
+    assert _between(0.015, ladder, [1.5, 0.15, 0.015, 0.0015]) == [0.0047, 0.047]
+    assert _between(1.5, ladder, [1.5, 0.15]) == [0.47]  # not above 1.5
+    # a rung tried is not tried again (as printed, two digits: 0.0045 / 10^0.5 is 0.0014)
+    assert _between(0.0045, [0.045, 0.0045], [0.045, 0.0045, 0.0014]) == [0.014]
     assert _between(0.1, [0.1, 0.05], [0.1, 0.05]) == []  # 2x apart: fine enough
     # the walk: down while each rung holds better, then halfway around the best
     loss = {1.5: None, 0.15: 4.19, 0.015: 3.79, 0.0015: 4.01, 0.0047: 3.49, 0.047: 4.19}
