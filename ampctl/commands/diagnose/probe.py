@@ -91,7 +91,7 @@ class ProbeOutcome:
             verdict = f"recommended: {self.chosen.words().split(':')[0]}"
         n = f"{self.steps} step" + ("" if self.steps == 1 else "s")
         if self.ends is not None:
-            n += f", all the run has left before its max_steps {self.ends}"
+            where += f", all the run has left before its max_steps {self.ends}"
         return f"probe ({n} {where}, {self.data}): {tried}. {verdict}"
 
 
