@@ -374,6 +374,18 @@ def diagnose(
             "an lr from a small ladder the history gives).",
         ),
     ] = False,
+    rebuild: Annotated[
+        str | None,
+        typer.Option(
+            "--rebuild",
+            help="MODULE:FUNCTION, your factory of the run's model and batches, so that the "
+            "advice for a run ampctl cannot rebuild (a ProtectedRun folder, a Lightning .ckpt, a "
+            "state dict) is tried too; it is imported and run (your code, as --trust-code). "
+            "FUNCTION(config) returns {'model': ..., 'batch': index -> dict, 'optimizer': "
+            "(params, lr) -> optimizer (optional)}.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Explain a NaN run: bad tensors, first overflowing module, what to change.
 
@@ -402,6 +414,7 @@ def diagnose(
             data=data,
             max_memory=parse_size(max_memory) if max_memory is not None else None,
             probe=not no_probe,
+            rebuild=rebuild,
         )
     raise typer.Exit(code)
 

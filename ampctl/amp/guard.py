@@ -329,9 +329,12 @@ def divergence(
     it was judged against (the run's first loss, or the lowest median of ``patience`` rows) and
     ``ratio`` ``now / reference`` (NaN when the last rows are not finite). None: no divergence.
     ``memory``: the course before ``losses`` (a resumed run's, rows an earlier divergence set
-    aside): its lowest and first medians count as the rows' own."""
+    aside): its lowest and first medians count as the rows' own, and the rows are judged from
+    the first on (a resume of a few rows would otherwise end before ``patience`` rows)."""
     k = rules.patience
-    if len(losses) < (k if memory is not None else max(k, rules.warmup + 1)):
+    if memory is not None:
+        k = min(k, len(losses))
+    if not losses or len(losses) < (k if memory is not None else max(k, rules.warmup + 1)):
         return None
     last = losses[-k:]
     finite = [x for x in losses[:-k] if _finite(x)]
@@ -414,6 +417,8 @@ class DivergenceWatch:
             self.memory = None  # a warning: the course starts again from its new level
         else:  # stop, rollback: the run's best stays the reference, across a resume too
             mine = course_memory(self.losses[:-k], k)
+            if mine is None and self.start is not None and _finite(self.start):
+                mine = CourseMemory(self.start, self.start)  # too few rows: where it started
             self.memory = mine.merged(self.memory) if mine is not None else self.memory
         self.losses.clear()  # after a warning or a rollback, the course starts again
         self.steps.clear()

@@ -213,3 +213,22 @@ def test_a_rollback_can_skip_the_batches_that_caused_it(fast_cfg):
     again = Trainer(fast_cfg(*args, bad), new_run_dir(base.trainer.runs_dir, "noskip")).run()
     rollbacks = [e for e in read_jsonl(again.run_dir / "events.jsonl") if e["kind"] == "rollback"]
     assert len(rollbacks) > 1  # without the skip, the same batches come back
+
+
+def test_with_clipping_a_grad_norm_spike_on_a_clean_loss_is_not_skipped(fast_cfg):
+    """#36: the default run (clipping at 1.0) had two healthy steps skipped by the grad-norm
+    rule. Every gradient made 1000x larger at step 40 (its loss on course): clipped, the step
+    moves the weights no more than any clipped step, so it trains (the spike rule judges it by
+    its loss); the rule's grad-norm figure is the unclipped norm the clipping reports."""
+
+    def big(tr, step, phase):
+        if step == 40:
+            for p in tr.params:
+                if p.grad is not None:
+                    p.grad.mul_(1e3)
+
+    args = [a for a in SPIKE if a != FAULTY and not a.startswith("optim.clip_grad_norm")]
+    res, ev = _train(fast_cfg(*args, "optim.clip_grad_norm=1.0"), "clipped", fault=big)
+    assert [e for e in ev if e["kind"] == "spike"] == [] and res.summary["skipped"] == 0
+    rows = read_jsonl(res.run_dir / "metrics.jsonl")
+    assert max(r["grad_norm"] for r in rows if r["step"] == 40) > 100  # the spike was there

@@ -36,6 +36,20 @@ def test_the_divergence_rule_remembers_the_run_s_best_loss_across_a_resume():
     assert resumed.memory is not None and resumed.memory.lowest <= 4.0
     acts = _feed(resumed, RESUMED, at=100)
     assert Action.ABORT in acts[:3]  # judged against the 4.0 it had reached: stopped again
+    # the issue's resume to step 60: two rows (44.3, 20.2) before the run ends, fewer than the
+    # rule's patience: judged from the first row on against the course it had
+    short = DivergenceWatch(DivergenceRules())
+    short.load_state_dict(saved)
+    assert _feed(short, [44.33, 20.24], at=100)[0] is Action.ABORT
+    # stopped before it had patience rows of a course (7.8, then 17.7, 37.2, 51.2): the loss it
+    # started from is the course it remembers
+    early = DivergenceWatch(DivergenceRules())
+    early.start = 5.526
+    assert _feed(early, [7.845, 17.66, 37.2, 51.16])[-1] is Action.ABORT
+    assert early.memory is not None and early.memory.lowest == 5.526
+    resumed = DivergenceWatch(DivergenceRules())
+    resumed.load_state_dict(early.state_dict())
+    assert _feed(resumed, [44.33, 20.24], at=50)[0] is Action.ABORT
     # a checkpoint written before the memory was kept still loads (and judges as before)
     old = {k: v for k, v in saved.items() if k != "memory"}
     legacy = DivergenceWatch(DivergenceRules())
@@ -141,3 +155,21 @@ def test_a_rollback_writes_no_checkpoint_of_the_restored_state(fast_cfg):
     assert 0 not in steps
     good = res.summary["last_good_checkpoint"]
     assert good is None or checkpoint_step(good) > 0
+
+
+def test_a_resume_of_a_stopped_run_is_stopped_again_however_short(fast_cfg):
+    """The issue: lr 1.0 stopped as diverged; ``ampctl train --resume`` of its newest checkpoint
+    for two more log rows ended ``ok`` at 20.24 (it had reached ~4). The rule's memory of the
+    course judges those rows: stopped again."""
+    cfg = fast_cfg("trainer.max_steps=80", "trainer.ckpt_every=4", "optim.lr=1.0")
+    res = _run(cfg, "lr1")
+    assert res.summary["status"] == "diverged"
+    stopped = res.summary["steps"]
+    from typer.testing import CliRunner
+
+    from ampctl.cli import app
+
+    more = f"trainer.max_steps={stopped + 2 * cfg.trainer.log_every}"  # two more log rows
+    got = CliRunner().invoke(app, ["train", "--plain", "--resume", str(res.run_dir), more])
+    summary = json.loads((res.run_dir / "summary.json").read_text())
+    assert got.exit_code == 1 and summary["status"] == "diverged", got.output

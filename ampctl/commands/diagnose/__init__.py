@@ -68,6 +68,7 @@ def run_diagnose(
     data: Path | None = None,
     max_memory: int | None = None,
     probe: bool = True,
+    rebuild: str | None = None,
 ) -> int:
     """What ``ampctl diagnose`` does: diagnose, print (rich tables, or only JSON on stdout),
     return 0 when healthy or recovered and 1 when problems were found. Bad input raises (the
@@ -84,6 +85,7 @@ def run_diagnose(
         report = diagnose_report(
             path, batches=batches, precision=precision, device=device, fmt=fmt,
             trust_code=trust_code, data=data, max_memory=max_memory, probe=probe,
+            rebuild=rebuild,
         )  # fmt: skip
     if as_json:
         _print_json(report_json(report))

@@ -23,8 +23,8 @@ updates they applied). From these, :func:`run_course` finds the *episodes*:
 
 An episode still going at the end of the record is unresolved. The *first sign of trouble*
 (:attr:`Course.first_bad_step`) is the first step whose weights are suspect, of the unresolved
-trouble: for a departure, the last logged step still on course (the updates after it raised
-the loss); for skipped steps, the first of them (a skipped step leaves the weights as they
+trouble: for a departure, the row of the loss's lowest level before it rose (the updates after
+it raised the loss, a slow creep too); for skipped steps, the first of them (a skipped step leaves the weights as they
 were). A checkpoint is a resume point only when it was written before it. Pure functions.
 """
 
@@ -135,22 +135,21 @@ def _levels(vals: list[Row]) -> list[float]:
     return out
 
 
-def _noise(vals: list[Row], levels: list[float]) -> float:
-    """The loss's per-row noise as a standard deviation: 1.4826 times the median distance of a
-    row from its level (rows with a full window only; 1.4826 makes a median absolute deviation
-    a standard deviation for normal noise)."""
-    d = sorted(
-        abs(r.loss - lv)
-        for r, lv in zip(vals[LEVEL_ROWS - 1 :], levels[LEVEL_ROWS - 1 :], strict=True)
-    )
-    return 1.4826 * d[len(d) // 2] if d else 0.0
+def _spread(vals: list[Row], j: int) -> float:
+    """Row ``j``'s distance from the median of the :data:`LEVEL_ROWS` rows centred on it: its
+    noise, with the trend taken out (a trailing median lags a falling loss and would count the
+    fall as noise, hiding a rise after it)."""
+    h = LEVEL_ROWS // 2
+    window = sorted(r.loss for r in vals[j - h : j + h + 1])
+    return abs(vals[j].loss - window[len(window) // 2])
 
 
 class _RunningNoise:
-    """:func:`_noise` of a growing prefix of the rows, kept as they come: the distances in two
-    heaps (the lower ``n // 2 + 1`` of them in a max-heap, the rest in a min-heap), so the
-    median distance is the lower heap's top. ``add`` is O(log n); the figure is the same float
-    :func:`_noise` gives for the same prefix."""
+    """The loss's per-row noise as a standard deviation, of a growing prefix of the rows: 1.4826
+    times the median :func:`_spread` (1.4826 makes a median absolute deviation a standard
+    deviation for normal noise), kept as they come: the distances in two heaps (the lower
+    ``n // 2 + 1`` of them in a max-heap, the rest in a min-heap), so the median distance is the
+    lower heap's top. ``add`` is O(log n)."""
 
     def __init__(self) -> None:
         self._low: list[float] = []  # negated: a max-heap
@@ -192,14 +191,14 @@ def departure(rows: list[Row], stop: int | None = None) -> Departure | None:
     levels = _levels(vals)
     bad = sorted(x.step for x in rows if x.loss is not None and not math.isfinite(x.loss))
     noise = _RunningNoise()
-    added = LEVEL_ROWS - 1  # the next row whose distance the noise takes in
+    added = LEVEL_ROWS // 2  # the next row whose distance the noise takes in
     low = 0  # the row of the lowest level so far
     improved = False
     for i in range(1, len(vals)):
         lv, base = levels[i], levels[low]
         k = max(0, i - LEVEL_ROWS + 1)
         while added < k:  # the noise of the rows before this level's window (not the rise)
-            noise.add(abs(vals[added].loss - levels[added]))
+            noise.add(_spread(vals, added))
             added += 1
         if improved:
             band = max(DEPARTURE * abs(base), NOISE_K * noise.value())
@@ -224,11 +223,13 @@ def _departure(
     vals: list[Row], levels: list[float], i: int, low: int, rows: list[Row]
 ) -> Departure:
     r, base = vals[i], levels[low]
-    # the last row still on course: its own loss, not only its level, within the band; when
-    # the loss never fell, the row it rose from
+    # the last row still on course: the last row at the lowest level before the rise, or before
+    # it the last whose own loss is within the band (a slow creep began at the lowest level, long
+    # before it crossed the band; a rise from a flat course, at the flat's end)
     never = base >= levels[0] - RETURN / 2.5 * abs(levels[0])
     band_ = base + DEPARTURE * abs(base)
-    on_course = [x for x in vals[: low + 1 if never else i] if x.loss <= band_]
+    at_low = max(j for j in range(low, i + 1) if levels[j] <= base)
+    on_course = [x for x in vals[: at_low + 1] if x.loss <= band_]
     back = None
     band = base + RETURN * abs(base)
     for j in range(i, len(vals) - 1):

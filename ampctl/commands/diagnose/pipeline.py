@@ -328,13 +328,15 @@ def diagnose_report(
     data: str | Path | None = None,
     max_memory: int | None = None,
     probe: bool = True,
+    rebuild: str | None = None,
 ) -> Report:
     """Diagnose a checkpoint file or folder of any supported format; returns the report typed
     (:class:`~.stages.Report`; :func:`diagnose` returns it as JSON values).
 
     ``data``: what to replay instead of synthetic batches (a path the user names; one that the
     checkpoint names is opened only with ``trust_code``). ``max_memory``: bytes the checkpoint
-    may take (default: :func:`ampctl.trust.memory_limit`).
+    may take (default: :func:`ampctl.trust.memory_limit`). ``probe``: try the advice first;
+    ``rebuild``: the user's ``MODULE:FUNCTION`` that builds the model for it (:mod:`.probe_loop`).
 
     Raises :class:`UsageError` for bad input: a missing path, nothing readable, a refused pickle,
     a file or a memory estimate over the limits of :mod:`ampctl.trust`, ``batches < 1``, an
@@ -343,7 +345,7 @@ def diagnose_report(
     from ampctl import trust
 
     with trust.max_memory(max_memory):
-        return _diagnose(path, batches, precision, device, fmt, trust_code, data, probe)
+        return _diagnose(path, batches, precision, device, fmt, trust_code, data, (probe, rebuild))
 
 
 def _read(path: str | Path, fmt: str | None, trust_code: bool, data_file: Path | None) -> Found:
@@ -379,12 +381,13 @@ def _at_the_end(j: Any, cfg: Any, recs: list) -> bool:
     return step is not None and step >= cfg.trainer.max_steps
 
 
-def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool, origin):
-    """The advice tried before it is printed (:mod:`.probe`) from ``origin`` (None: afresh)."""
+def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe, origin, lr):
+    """The advice tried before it is printed (:mod:`.probe`) from ``origin`` (None: afresh).
+    ``probe``: (whether to, the user's rebuild factory or None); ``lr``: the run's."""
     from .probe import ProbeOutcome, probe_advice
     from .recommend import resume_overrides
 
-    if not probe:
+    if not probe[0]:
         return ProbeOutcome(False, "--no-probe")
     has_lr = any(r.key == "optim.lr" for r in recs)
     ladder = list(j.lr.ladder) if has_lr and j.lr is not None else []
@@ -398,6 +401,9 @@ def _probe(found, cfg, cfg_reason, j, recs, trust_code: bool, dev, probe: bool, 
         ladder=ladder,
         trust_code=trust_code,
         device=dev,
+        found=found,
+        rebuild=probe[1],
+        run_lr=lr,
     )
 
 
@@ -409,7 +415,7 @@ def _diagnose(
     fmt: str | None,
     trust_code: bool,
     data: str | Path | None,
-    probe: bool = True,
+    probe: tuple[bool, str | None] = (True, None),
 ) -> Report:
     dev = check_options(batches, precision, device)
     data_file = Path(data) if data is not None else None
@@ -481,9 +487,11 @@ def _diagnose(
     before = j.verdict.first_bad_step if healthy else None
     checked = None
     origin = None if _at_the_end(j, cfg, recs) else j.resume  # a run's last step resumes nothing
-    if j.problems and recs:
-        outcome = _probe(found, cfg, cfg_reason, j, recs, trust_code, dev, probe, origin)
-        recs = apply_probe(recs, outcome)
+    if j.problems and (recs or origin):  # a change, or resuming unchanged, is tried first
+        outcome = _probe(
+            found, cfg, cfg_reason, j, recs, trust_code, dev, probe, origin, settings.lr
+        )
+        recs = apply_probe(recs, outcome, terms)
         checked = outcome.line()
     fresh = fresh_overrides(found.config) if found.format == "ampctl" and cfg is not None else None
     command = resume_command(terms, origin, recs, len(j.checkpoints), before, fresh)

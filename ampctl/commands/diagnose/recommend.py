@@ -218,7 +218,7 @@ def recommend(
     kinds = {p.kind for p in j.problems}
     if "unchecked_update" in kinds:  # the loop applied gradients its GradScaler never checked:
         return []  # neither the lr nor the precision, its fix is in the loop (.loops)
-    # 1) lr: a divergence lowers it by the history's factor; exploding updates halve it
+    # 1) lr: a divergence of the loss gives it from the history; exploding updates are clipped
     _lr_rules(recs, settings, kinds, j)
     # an lr divergence is the cause: the overflows it led to are its effect, so no precision
     # change (the module overflowed because the weights blew up, not for fp16's range)
@@ -269,7 +269,9 @@ def recommend(
 def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) -> None:
     """1) the lr the history gives (:func:`.verdict.lr_change`; a probe may replace it with the
     best candidate that held, :mod:`.probe`), a warmup when the loss rose from the first
-    updates, and clipping."""
+    updates, and clipping. No lr without a divergence of the loss: updates that blew up while
+    the loss kept its course show no lr to go back to (clipping bounds them), and non-finite
+    values no update explains are no lr problem (:func:`.verdict.judge` says so)."""
     exploding = {
         "nonfinite_optimizer_state",
         "extreme_optimizer_state",
@@ -277,7 +279,10 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
         "forward_nonfinite_fp32",
         "backward_nonfinite_fp32",
     }
-    unchecked = kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled
+    lr_first = bool(j.problems) and j.problems[0].kind == "lr_divergence"
+    unchecked = (
+        kinds & {"nonfinite_weights", "nonfinite_master"} and not settings.scaled and not lr_first
+    )
     ch = j.lr
     if ch is not None and ch.lr is not None and not unchecked:
         what = (
@@ -297,18 +302,11 @@ def _lr_rules(recs: _Recs, settings: Settings, kinds: set[str], j: Judgement) ->
                 f"optim.warmup_steps={max(10, 2 * d.step)}",
                 "the loss rose at the first updates: ramp the learning rate up",
             )
-    if kinds & exploding and settings.lr is not None and not unchecked:
-        # no divergence of the loss to read an lr from (the updates blew up while it held):
-        # half the lr, a step down the probe can check
-        recs.add(
-            f"optim.lr={plain(settings.lr / 2)}",
-            "updates diverged (optimizer state, grad norm, or non-finite in fp32 too) while the "
-            "loss kept its course, so the history shows no lr to go back to: halve it",
-        )
     if (
         kinds & (exploding | {"lr_divergence"})
         and (settings.lr is not None or j.lr)
         and not unchecked
+        and not j.unexplained
     ):
         if not settings.clip_known:
             recs.add(
@@ -425,7 +423,7 @@ def _fp8_rules(fp8: Fp8Section | None, add: Callable[[str, str], None], bf16_ok:
         )
 
 
-def apply_probe(recs: list[Recommendation], outcome) -> list[Recommendation]:
+def apply_probe(recs: list[Recommendation], outcome, fmt: str = "ampctl") -> list[Recommendation]:
     """The recommendations with the lr the probe chose (:class:`.probe.ProbeOutcome`): the best
     candidate that held replaces the history's ``optim.lr``; with none held, the reason says so."""
     out = []
@@ -438,7 +436,7 @@ def apply_probe(recs: list[Recommendation], outcome) -> list[Recommendation]:
                     override,
                     f"{r.reason.split('; use lr')[0]}; the probe tried "
                     f"{len(outcome.trials)} lr(s) and lr {plain(chosen.lr)} held best",
-                    r.yours,  # None: only ampctl runs are probed
+                    yours(fmt, override),
                 )
             elif chosen is None:
                 r = Recommendation(r.override, f"{r.reason}; the probe: it did not hold", r.yours)

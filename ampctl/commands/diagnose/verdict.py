@@ -91,6 +91,8 @@ class Judgement:
     #: the cause of a collapsed scale: "overflow" | "floor" | "backoff" | None
     collapse: str | None = None
     storm_params: list[str] = field(default_factory=list)
+    #: non-finite state that no update explains (:func:`_unexplained`): no change but a resume
+    unexplained: bool = False
 
 
 # ---------------------------------------------------------------------------- lr
@@ -349,6 +351,37 @@ def _name_spikes(problems: list[Problem], course: Course, own: CheckpointFacts |
 
 
 SPIKE_WORDS = "an outlier: the loss was back on the next step"
+#: Problem kinds of a checkpoint's own non-finite state (what :func:`_unexplained` accepts).
+_NONFINITE_STATE = {"nonfinite_weights", "nonfinite_optimizer_state", "nonfinite_master"}
+
+
+def _unexplained(problems: list[Problem], course: Course, h: History | None, scaled: bool) -> bool:
+    """Non-finite weights or optimizer state that no update explains: the loss scaler checked
+    every step's gradients (a non-finite one is skipped), and the logged course up to the
+    checkpoint is clean (no skipped step, no departure, no outlier loss, no grad-norm
+    explosion). Then neither the lr nor the precision is the cause, and the state's problem says
+    so: resume from a healthy checkpoint unchanged (the probe checks that it holds)."""
+    kinds = {p.kind for p in problems}
+    if not kinds & _NONFINITE_STATE or kinds - _NONFINITE_STATE or not scaled:
+        return False
+    if h is None or not h.rows:
+        return False
+    if course.episodes or course.departure is not None:
+        return False
+    gn = h.grad_norm
+    norm = (
+        f", grad norm {gn.peak:.4g} at its highest = {gn.ratio:.3g}x its earlier median"
+        if gn is not None
+        else ""
+    )
+    p = next(p for p in problems if p.kind in _NONFINITE_STATE)
+    p.message += (
+        f"; the loss and the gradients were normal up to step {course.last_step} (no skipped "
+        f"step, no rise of the loss{norm}) and the loss scaler checked every step's gradients, "
+        "so no update put it there: not the lr nor the precision, but a fault outside the "
+        "training arithmetic (memory, storage, or code that writes into the weights)"
+    )
+    return True
 
 
 # ---------------------------------------------------------------------------- ordering
@@ -575,6 +608,7 @@ def judge(
         collapse, cause = _collapse_cause(scaler, course, rep)
         problems = _fold_collapse(problems, collapse, cause)
     _name_spikes(problems, course, own)
+    unexplained = _unexplained(problems, course, h, scaled)
     if not scaled:
         for p in problems:
             if p.kind in ("nonfinite_weights", "nonfinite_master"):
@@ -582,13 +616,17 @@ def judge(
                     "; nothing checked the gradients before the optimizer applied them (no loss "
                     "scaler): one non-finite step is enough"
                 )
-    # without a logged loss, the checkpoints' weights are the course: a growth by orders of
-    # magnitude is the trouble (with one, the history judges, and a fault the guard cured by a
-    # promotion is not a false alarm)
-    blown = weights_trouble(facts) if h is None or not h.rows else None
-    if blown is not None and own is not None and own.step is not None and own.step >= blown:
-        if not problems:  # the weights' growth is the only sign: it is the problem
-            problems.append(_blown_weights(facts, blown))
+    # the checkpoints' weights grown by orders of magnitude: without a logged loss they are the
+    # course (the growth is the problem); with one the history judges the run (a fault the guard
+    # cured by a promotion is no false alarm), but the resume point still comes before the growth
+    # unless the run came back from it
+    blown = weights_trouble(facts)
+    logged = h is not None and bool(h.rows)
+    own_blown = blown is not None and own is not None and own.step is not None and own.step >= blown
+    if own_blown and not logged and not problems:  # the growth is the only sign: the problem
+        problems.append(_blown_weights(facts, blown))
+    if logged and not problems and _clean_end(course):
+        blown = None
     problems = _ordered(problems)
     first_bad = _earliest(course.first_bad_step, blown)
     bad_own = own is not None and own.bad and own.step is not None
@@ -630,6 +668,7 @@ def judge(
         lr=change,
         collapse=collapse,
         storm_params=params_in(h),
+        unexplained=unexplained,
     )
 
 

@@ -1,6 +1,11 @@
-"""The closed loop of #36: for each broken case of the corpus that ampctl can rerun (its own
-``ampctl train`` runs), diagnose it, paste the ``Resume:`` line as printed, run it, and compare
-the run's final loss with its healthy twin's at the same step.
+"""The closed loop of #36: for each broken case of the corpus whose advice diagnose tries (its
+own ``ampctl train`` runs, and the HF Trainer's folders with ``config.json``), diagnose it,
+follow what it printed, and compare the run's final loss with its healthy twin's at the same
+step. An ampctl case pastes the ``Resume:`` line; an HF case reruns the corpus's own Trainer
+script with the printed ``yours:`` changes (``TrainingArguments(...)``, a module run in fp32)
+from the ``trainer.train(resume_from_checkpoint=...)`` the Resume line names, or afresh. A fault
+planted to make a case (a weight multiplied at a step) stands in for an event of the run and is
+not planted again, as the ampctl cases' Resume lines do not plant it.
 
     python -m tests.commands.diagnose.closed_loop [OUT_DIR]     # prints README's table
 
@@ -11,6 +16,7 @@ with a final loss within :data:`TOLERANCE` of the twin's.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -26,8 +32,20 @@ from .corpus.cases import BY_NAME, Corpus
 #: A resumed run's final loss may be this much above its twin's (relative).
 TOLERANCE = 0.10
 
-#: The broken cases ampctl can rerun (an ``ampctl train`` run; fp8 needs torchao).
-RERUNNABLE = ("ampctl/lr", "ampctl/forward-overflow", "ampctl/floor", "ampctl/underflow")
+#: The broken cases whose advice is tried and followed (an ``ampctl train`` run, fp8 needs
+#: torchao; an HF Trainer folder; the HF forward overflow is a slow case of the corpus).
+RERUNNABLE = (
+    "ampctl/lr",
+    "ampctl/forward-overflow",
+    "ampctl/floor",
+    "ampctl/underflow",
+    "hf/lr-1.0",
+    "hf/lr-0.3",
+    "hf/lr-0.3-ckpt20",
+    "hf/backward-nan",
+    "hf/backward-nan-ckpt30",
+    "hf/forward-overflow",
+)
 
 
 @dataclass
@@ -65,6 +83,8 @@ def close_loop(corpus: Corpus, name: str, work: Path) -> Loop:
     Resume line from ``work`` (relative paths as printed), and the twin's loss at the step the
     resumed run ended at."""
     case = BY_NAME[name]
+    if case.fmt == "HF Trainer":
+        return _close_hf(corpus, name, work)
     src = corpus.run(case.run)
     run = work / src.name
     if run.exists():
@@ -92,6 +112,56 @@ def close_loop(corpus: Corpus, name: str, work: Path) -> Loop:
     final = final if isinstance(final, int | float) else None
     del trained
     return Loop(name, resume, probe, summary["status"], final, twin, step)
+
+
+#: The printed changes an HF case follows: the numbers of ``TrainingArguments(key=value)`` (the
+#: optim.* overrides; a precision change is not part of a resume, as ampctl's Resume line).
+_ARG = re.compile(r"yours: TrainingArguments\((\w+)=([0-9.e-]+)\)")
+_FP32 = re.compile(r"yours: run (\S+) in fp32")
+
+
+def _close_hf(corpus: Corpus, name: str, work: Path) -> Loop:
+    """An HF case: diagnose the folder, rerun the corpus's Trainer script with what was printed
+    (the twin's settings, the ``yours:`` changes, the Resume line's checkpoint)."""
+    from .corpus import hf
+
+    case = BY_NAME[name]
+    got = CliRunner().invoke(app, ["diagnose", str(corpus.target(case))], env={"COLUMNS": "400"})
+    resume = _printed(got.output, "Resume: ")
+    probe = next((ln.strip() for ln in got.output.splitlines() if "probe" in ln[:12]), None)
+    assert resume is not None, got.output
+    args = {k: float(v) for k, v in _ARG.findall(got.output)}
+    lr = args.pop("learning_rate", None)
+    args = {k: int(v) if k.endswith("steps") else v for k, v in args.items()}
+    where = re.search(r'resume_from_checkpoint="([^"]+)"', resume)
+    out = work / name.replace("/", "-")
+    if out.exists():
+        shutil.rmtree(out)
+    hf.trainer_run(
+        out,
+        **({"lr": lr} if lr is not None else {"lr": _RUN_LR.get(case.run, 1e-3)}),
+        resume=Path(where.group(1)) if where else None,
+        fp32_modules=tuple(m for ms in _FP32.findall(got.output) for m in ms.split(",")),
+        **args,
+    )
+    mine, twin = _hf_losses(out), _hf_losses(corpus.run(BY_NAME[case.twin].run))
+    step = max(mine) if mine else None
+    return Loop(
+        name, resume, probe, "ok" if mine else "no rows", mine.get(step), twin.get(step), step
+    )
+
+
+#: The lr each HF run was written with (the corpus's ``hf.RUNS``), kept when no lr is advised.
+_RUN_LR = {"hf-lr-1.0": 1.0, "hf-lr-0.3": 0.3}
+
+
+def _hf_losses(output_dir: Path) -> dict[int, float]:
+    """The logged loss per step of an HF output_dir (its newest checkpoint's trainer_state)."""
+    from ampctl.commands.diagnose.readers.hf import checkpoints_of
+
+    state = checkpoints_of(output_dir)[0] / "trainer_state.json"
+    rows = json.loads(state.read_text())["log_history"]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def table(loops: list[Loop]) -> str:

@@ -11,10 +11,11 @@ from ampctl.commands.diagnose.stages import Row
 
 
 # ---------------------------------------------------------------------------- the reference
-def _old_noise(vals, levels):
+def _old_noise(vals, k):
+    """The median distance of each row before ``k`` from the median of the rows centred on it."""
+    h = C.LEVEL_ROWS // 2
     d = sorted(
-        abs(r.loss - lv)
-        for r, lv in zip(vals[C.LEVEL_ROWS - 1 :], levels[C.LEVEL_ROWS - 1 :], strict=True)
+        abs(vals[j].loss - sorted(r.loss for r in vals[j - h : j + h + 1])[h]) for j in range(h, k)
     )
     return 1.4826 * d[len(d) // 2] if d else 0.0
 
@@ -36,7 +37,7 @@ def old_departure(rows, stop=None):
         lv, base = levels[i], levels[low]
         if improved:
             k = max(0, i - C.LEVEL_ROWS + 1)
-            band = max(C.DEPARTURE * abs(base), C.NOISE_K * _old_noise(vals[:k], levels[:k]))
+            band = max(C.DEPARTURE * abs(base), C.NOISE_K * _old_noise(vals, k))
         else:
             band = C.DEPARTURE * abs(base)
         if lv > base + band:

@@ -115,20 +115,18 @@ def test_the_level_is_the_median_of_the_last_five_rows():
     assert C._levels([]) == []
 
 
-def test_the_noise_is_1_4826_times_the_median_distance_from_the_level_on_full_windows():
+def test_the_noise_is_each_row_s_distance_from_the_median_centred_on_it():
     r = rows([5, 5, 5, 5, 5, 6, 3, 8, 1])
-    lv = C._levels(r)
-    assert lv == [5] * 9
-    # full windows from the fifth row: distances 0, 1, 2, 3, 4 -> median 2
-    assert C._noise(r, lv) == pytest.approx(1.4826 * 2)
-    # an even count (0, 1, 2, 3): the upper of the two middle ones
-    assert C._noise(r[:8], lv[:8]) == pytest.approx(1.4826 * 2)
-    assert C._noise(r[:7], lv[:7]) == pytest.approx(1.4826 * 1)
-    # the rows before the fifth have no full window: not counted
-    r = rows([50, 5, 5, 5, 5, 6])
-    assert C._noise(r, C._levels(r)) == pytest.approx(1.4826 * 1)
-    # fewer rows than a window: no noise known
-    assert C._noise(r[:4], C._levels(r[:4])) == 0.0
+    # rows 2-6 have a full centred window: distances 0, 0, 0, 1 (6 vs 5), 2 (3 vs 5)
+    assert [C._spread(r, j) for j in range(2, 7)] == [0, 0, 0, 1, 2]
+    # a falling loss has no noise (a trailing median lags it: 3 at the fifth row, 2 from it)
+    fall = rows([10, 9, 8, 7, 6, 5, 4, 3])
+    assert [C._spread(fall, j) for j in range(2, 6)] == [0, 0, 0, 0]
+    noise = C._RunningNoise()
+    for d in (0, 1, 2, 3, 4):
+        noise.add(d)
+    assert noise.value() == pytest.approx(1.4826 * 2)
+    assert C._RunningNoise().value() == 0.0  # nothing known: no noise
 
 
 # ---------------------------------------------------------------------------- departure
@@ -144,10 +142,10 @@ def test_a_rise_of_exactly_25_percent_stays_on_course_and_more_departs():
     assert departure(rows([4.0] * 5 + [5.0] * 5)) is None
     d = departure(rows([4.0] * 5 + [5.01] * 5))
     # the level (a median of 5) crosses at the third high row; the lowest level is the first
-    # row of the flat start; the loss never fell: the row it rose from is its lowest
+    # row of the flat start; the loss never fell: the row it rose from is the flat start's last
     assert d == Departure(
         step=8,
-        last_good_step=1,
+        last_good_step=5,
         loss=5.01,
         min_loss=4.0,
         min_step=1,
@@ -170,10 +168,11 @@ def test_a_negative_loss_falls_rises_and_comes_back_by_its_size():
     lowest level, on course within 25% of it, and has fallen only 2% below its first level."""
     # flat at -1, up to -0.5, back at -1: it never fell, and it came back
     d = departure(rows([-1.0] * 5 + [-0.5] * 5 + [-1.0] * 6))
-    assert (d.step, d.never_improved, d.resolved_at, d.last_good_step) == (8, True, 13, 1)
-    # fell 7.5% (to -2.15), rose to -1: the last row on course is the last at -2.0
+    assert (d.step, d.never_improved, d.resolved_at, d.last_good_step) == (8, True, 13, 5)
+    # fell 7.5% (to -2.15), rose to -1: the last row on course is the last at the lowest level
+    # (step 4): the rows at -2.0 after it were already above it
     d = departure(rows([-2.0, -2.1, -2.2, -2.3] + [-2.0] * 5 + [-1.0] * 6))
-    assert (d.step, d.never_improved, d.resolved_at, d.last_good_step) == (12, False, None, 9)
+    assert (d.step, d.never_improved, d.resolved_at, d.last_good_step) == (12, False, None, 4)
     # fell 1% only: not a fall
     d = departure(rows([-1.0, -1.01, -1.01, -1.01] + [-0.5] * 6))
     assert (d.step, d.never_improved, d.min_step) == (7, True, 3)
@@ -204,7 +203,8 @@ def test_the_loss_has_fallen_only_below_98_percent_of_its_first_level():
         d = departure(rows(losses))
         assert (d is not None) is departs
         if d is not None:
-            assert (d.step, d.min_step, d.never_improved, d.last_good_step) == (20, 5, True, 5)
+            # the last row of the flat course at its lowest level (the rise began after it)
+            assert (d.step, d.min_step, d.never_improved, d.last_good_step) == (20, 5, True, 17)
 
 
 def test_the_noise_is_that_of_the_rows_before_the_levels_window():
@@ -270,10 +270,10 @@ def test_coming_back_takes_two_levels_within_5_percent():
     rise = [3.0, 3.0, 3.0]
     # one level back at 2.1 (exactly 5% above 2.0, at step 18), then up again: not back
     once = departure(rows(lowest + rise + [2.1, 3.0, 3.0, 2.1, 2.1, 3.0, 3.0, 3.0, 3.0]))
-    assert (once.step, once.resolved_at, once.peak) == (14, None, 3.0)
+    assert (once.step, once.resolved_at, once.peak) == (13, None, 3.0)
     # two in a row (16 and 17): back at the first of them
     twice = departure(rows(lowest + rise + [2.1] * 4 + [3.0] * 3))
-    assert (twice.step, twice.resolved_at) == (14, 16)
+    assert (twice.step, twice.resolved_at) == (13, 16)
     # 2.11 is more than 5% above 2.0: not back
     assert departure(rows(lowest + rise + [2.11] * 6)).resolved_at is None
 
@@ -282,14 +282,15 @@ def test_the_peak_is_the_highest_row_before_it_came_back_and_the_lr_peak_is_up_t
     losses = [4.0, 3.5, 3.0, 2.5] + [2.0] * 6 + [3.0, 3.0, 3.0, 3.5, 3.2] + [2.0] * 6
     lr = [0.1] * 10 + [0.4, 0.3, 0.2, 0.25, 0.9] + [0.9] * 6
     d = departure(rows(losses, lr=lr))
-    # the noise of the fall (4.0 -> 2.0) still raises the bar at 13: the crossing is at 14
-    assert (d.step, d.peak, d.peak_step, d.resolved_at) == (14, 3.5, 14, 18)
+    # the fall (4.0 -> 2.0) is a trend, not noise (#36): the bar is 25% and the crossing at 13,
+    # the level's third row of the rise (a trailing median counted the fall as noise: 14)
+    assert (d.step, d.peak, d.peak_step, d.resolved_at) == (13, 3.5, 14, 18)
     # the lr after the peak (0.9 at 15) is not the lr the loss rose with
     assert (d.lr_peak, d.lr_peak_step, d.lr_at_min, d.lr_at_step, d.lr_back) == (
         0.4,
         11,
         0.1,
-        0.25,
+        0.2,
         0.9,
     )
     # rows without an lr are passed over
@@ -664,17 +665,17 @@ def test_the_peak_is_where_the_loss_rose_to_not_only_the_rows_after_the_levels_c
     names is the highest row after the last one on course, not a row after the crossing."""
     losses = [4.0, 3.5, 3.0, 2.5] + [2.0] * 6 + [3.0] * 3 + [2.1] * 4 + [3.0] * 3
     d = departure(rows(losses))
-    assert (d.step, d.last_good_step, d.resolved_at) == (14, 10, 16)
+    assert (d.step, d.last_good_step, d.resolved_at) == (13, 10, 16)
     assert (d.peak, d.peak_step) == (3.0, 11)  # not 2.1 at step 14
 
 
 def test_the_peak_counts_the_rows_that_raised_the_level_even_before_a_row_on_course():
-    """Noisy rows: the level crosses only at the last row (the noise bar fell as the fall's
-    rows left the window), after a row back on course (11). The rows that raised the level
-    (8-10, in its window) are the rise: the peak is 10 at step 10, not the last row's 1."""
-    d = departure(rows([10.0, 3.0, 8.0, 1.0, 2.0, 3.0, 3.0, 6.0, 4.0, 10.0, 2.0, 1.0]))
-    assert (d.step, d.loss, d.min_loss, d.last_good_step) == (12, 4.0, 3.0, 11)
-    assert (d.peak, d.peak_step) == (10.0, 10)
+    """Noisy rows: the level crosses only at the last row, after a row back on course (10).
+    The rows that raised the level (8-9, in its window) are the rise: the peak is 10 at step 9,
+    not the last row's 4."""
+    d = departure(rows([3.0] * 6 + [2.0, 4.0, 10.0, 2.0, 4.0]))
+    assert (d.step, d.loss, d.min_loss, d.last_good_step) == (11, 4.0, 3.0, 10)
+    assert (d.peak, d.peak_step) == (10.0, 9)
 
 
 def test_a_departure_and_a_spike_are_episodes_in_step_order():
@@ -686,7 +687,7 @@ def test_a_departure_and_a_spike_are_episodes_in_step_order():
         ("isolated", 5, 5, True, "1 step skipped at 5"),
         (
             "departure",
-            14,
+            13,
             18,
             True,
             "the loss rose from 2 (step 7) to 3.5 (step 14), back at step 18",
@@ -698,7 +699,7 @@ def test_a_departure_and_a_spike_are_episodes_in_step_order():
     course = run_course(hist(losses[:16]), None, [])
     (e,) = course.of("departure")
     assert (e.start, e.end, e.resolved, e.text) == (
-        14,
+        13,
         14,
         False,
         "the loss rose from 2 (step 7) to 3.5 (step 14)",
@@ -756,7 +757,7 @@ def test_a_row_at_exactly_25_percent_above_the_lowest_level_is_still_on_course()
 
 def test_back_at_the_last_two_rows_of_the_record():
     d = departure(rows(LOWEST + [3.0] * 3 + [2.1] * 4))
-    assert (d.step, d.resolved_at) == (14, 16)  # the levels at 16 and 17, the last
+    assert (d.step, d.resolved_at) == (13, 16)  # the levels at 16 and 17, the last
     assert departure(rows(LOWEST + [3.0] * 3 + [2.1] * 3)).resolved_at is None  # one level
 
 
@@ -838,7 +839,8 @@ def test_the_course_names_the_scale_from_the_history():
         ([10.0, 4.0, 10.0], 3, 3),  # not the first row, before the lowest level (step 2)
         ([10.0, 3.0, 10.0, 2.0, 10.0], 5, 3),  # the window's first row (3) counts
         ([5.0, 3.0, 10.0, 1.0, 5.0, 8.0, 8.0], 7, 3),  # window 3-7, all five rows
-        ([3.0, 2.0, 10.0, 3.0, 5.0, 1.0, 1.0, 5.0, 4.0], 9, 5),  # window 5-9: not 10 at step 3
+        # window 8-12: not 10 at step 6 (calm rows first: the noise bar is the 25% one)
+        ([3.0] * 3 + [3.0, 2.0, 10.0, 3.0, 5.0, 1.0, 1.0, 5.0, 4.0], 12, 8),
     ],
 )
 def test_the_peak_is_in_the_levels_window_after_the_lowest_row(losses, crossing, peak_step):

@@ -63,3 +63,27 @@ def test_exploded_but_finite_weights_move_the_resume_point_before_them():
     j = judge(own=healthy[0], siblings=healthy[1:], problems=[], h=None, scaler=None, rep=None,
               lr=1.0)  # fmt: skip
     assert j.verdict.status == "healthy" and j.resume == "c19"
+
+
+def test_with_a_history_exploded_weights_still_move_the_resume_point_before_them():
+    """The FSDP2 case with a sparse history: the loss logged every 5 steps looked flat until the
+    NaN at 19, but the checkpoint at 15 holds weights 1e4x step 5's: resume from 10, not 15."""
+    from ampctl.commands.diagnose.course import CheckpointFacts
+
+    rows = [Row(step=s, loss=2.0, learning_rate=1.0) for s in (5, 10, 15)]
+    rows.append(Row(step=19, loss=float("nan"), learning_rate=1.0))
+    h = History(source="tb", rows=rows)
+    facts = [
+        CheckpointFacts("c19", 19, ["nonfinite_weights"], weight_amax=float("nan")),
+        CheckpointFacts("c15", 15, [], weight_amax=2e4),
+        CheckpointFacts("c10", 10, [], weight_amax=2.1),
+        CheckpointFacts("c5", 5, [], weight_amax=1.2),
+    ]
+    j = judge(own=facts[0], siblings=facts[1:], problems=[], h=h, scaler=None, rep=None, lr=1.0)
+    assert j.verdict.first_bad_step == 11 and j.resume == "c10"
+    # a run that came back from the growth (a clean course, nothing wrong now): the newest
+    clean = [Row(step=s, loss=2.0 - s / 100, learning_rate=1.0) for s in (5, 10, 15, 19)]
+    ok = [CheckpointFacts("c19", 19, [], weight_amax=3e4), *facts[1:]]
+    j = judge(own=ok[0], siblings=ok[1:], problems=[], h=History(source="tb", rows=clean),
+              scaler=None, rep=None, lr=1.0)  # fmt: skip
+    assert j.verdict.status == "healthy" and j.resume == "c19"

@@ -96,3 +96,77 @@ def test_the_checkpoint_written_at_the_stop_is_never_a_resume_point(lr1):
     rep = diagnose(lr1, probe=False)
     (mine,) = [c for c in rep["checkpoints"] if c["path"] == str(stop)]
     assert not mine["healthy"] and rep["resume"]["checkpoint"] != str(stop)
+
+
+# ---------------------------------------------------------------------------- other tools' runs
+def test_an_hf_folder_is_probed_from_its_config_json(corpus):
+    """The HF Trainer's lr=1.0 run (no checkpoint before the trouble): the GPT-2 class from
+    config.json (nothing of the folder imported), trained afresh on synthetic batches of its
+    shape; the lr recommended in TrainingArguments' terms is the rung that held best."""
+    pytest.importorskip("transformers")
+    from tests.commands.diagnose.corpus.cases import BY_NAME
+
+    rep = diagnose(corpus.target(BY_NAME["hf/lr-1.0"]), device="cpu")
+    probe = rep["resume"]["probe"]
+    assert probe.startswith("probe (") and "from a fresh start" in probe, probe
+    assert "synthetic token batches of the model's shape" in probe
+    (lr,) = [r for r in rep["recommendations"] if r["override"].startswith("optim.lr=")]
+    value = lr["override"].split("=")[1]
+    assert f"recommended: lr {value}" in probe and "held best" in lr["reason"]
+    assert lr["yours"] == f"TrainingArguments(learning_rate={value})"
+
+
+def test_a_protectedrun_folder_is_probed_with_the_users_rebuild_factory(corpus):
+    """A ProtectedRun folder keeps no model: without --rebuild the probe says what would run
+    it; with the user's factory named on the command line, its model and batches are trained."""
+    from tests.commands.diagnose.corpus.cases import BY_NAME
+
+    run = corpus.target(BY_NAME["own/divergence-stop"])
+    rep = diagnose(run, device="cpu")
+    assert "pass --rebuild MODULE:FUNCTION" in rep["resume"]["probe"]
+    factory = "tests.commands.diagnose.corpus.ampctl_runs:rebuild"
+    rep = diagnose(run, device="cpu", rebuild=factory)
+    probe = rep["resume"]["probe"]
+    assert f"the batches of {factory}" in probe and "held" in probe, probe
+    (lr,) = [r for r in rep["recommendations"] if r["override"].startswith("optim.lr=")]
+    assert float(lr["override"].split("=")[1]) <= 0.001  # never above what the history gives
+    assert lr["yours"].startswith("torch.optim.AdamW(params, lr=")
+    rep = diagnose(run, device="cpu", rebuild="no_such_module:make")
+    assert "cannot import it" in rep["resume"]["probe"]
+
+
+def test_the_probe_covers_the_rest_of_the_warmup_then_four_patiences():
+    """The issue's lr=30 run: a 24-step probe from a fresh start (20 of them warmup) ranked lr
+    0.015 best; followed for 300 steps it stalled at 3.95 (the default run: 2.38). The probe
+    runs the warmup out and then 4 patiences at the lr itself."""
+    from ampctl.commands.diagnose.probe import PATIENCES, PROBE_EVERY, _probe_config
+
+    cfg = load_config([*FAST, "optim.warmup_steps=20", "trainer.max_steps=300"])
+    patience = cfg.guard.divergence_patience
+    run, _ = _probe_config(cfg, [], 0, False, "cpu")
+    assert run.trainer.stop_at == 20 + PATIENCES * patience * PROBE_EVERY
+    run, _ = _probe_config(cfg, [], 12, False, "cpu")  # from a checkpoint inside the warmup
+    assert run.trainer.stop_at == 12 + 8 + PATIENCES * patience * PROBE_EVERY
+    run, _ = _probe_config(cfg, ["optim.warmup_steps=50"], 100, False, "cpu")  # past it
+    assert run.trainer.stop_at == 100 + PATIENCES * patience * PROBE_EVERY
+
+
+def test_a_coarse_ladder_is_refined_around_its_best_never_above_its_first_rung():
+    from ampctl.commands.diagnose.probe import ProbeOutcome, Trial, _between, _walk
+
+    ladder = [1.5, 0.15, 0.015, 0.0015]  # the lr=30 run's, 10x apart
+    assert _between(0.015, ladder, [1.5, 0.15, 0.015, 0.0015]) == [0.0047, 0.047]
+    assert _between(1.5, ladder, [1.5, 0.15]) == [0.47]  # not above 1.5
+    # a rung tried is not tried again (as printed, two digits: 0.0045 / 10^0.5 is 0.0014)
+    assert _between(0.0045, [0.045, 0.0045], [0.045, 0.0045, 0.0014]) == [0.014]
+    assert _between(0.1, [0.1, 0.05], [0.1, 0.05]) == []  # 2x apart: fine enough
+    # the walk: down while each rung holds better, then halfway around the best
+    loss = {1.5: None, 0.15: 4.19, 0.015: 3.79, 0.0015: 4.01, 0.0047: 3.49, 0.047: 4.19}
+
+    def one(lr, ov):
+        got = loss[lr]
+        return Trial(lr, "ok" if got else "diverged", 5.5, got or 25.0, 44, got is not None)
+
+    out = _walk(ProbeOutcome(True), [], ladder, one, budget_s=60)
+    assert [t.lr for t in out.trials] == [1.5, 0.15, 0.015, 0.0015, 0.0047, 0.047]
+    assert out.chosen.lr == 0.0047

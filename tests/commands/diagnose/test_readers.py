@@ -57,8 +57,9 @@ def test_hf_planted_nan_weight_and_inf_moment_are_named(hf_dirs):
         "why": "the newest checkpoint with a healthy state written before this checkpoint, "
         "whose own state is broken",
     }
-    # the advice is not tried on a loop ampctl cannot rerun, and says so
-    assert probe.startswith("probe: not run: a hf-trainer checkpoint: the probe reruns ampctl's")
+    # the advice is tried (#36): the model from config.json, resumed from the healthy checkpoint
+    assert probe.startswith(f"probe (24 steps from {healthy}, synthetic token batches"), probe
+    assert "resumed as it was: held" in probe
     # an fp32 Trainer run (no scaler) applied a non-finite update: skip such steps, in its terms
     (fix,) = rep["recommendations"]
     assert fix["override"] == "guard.enabled=true"

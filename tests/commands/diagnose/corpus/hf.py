@@ -48,18 +48,26 @@ def trainer_run(
     growth_interval: int = 8,
     fp16: bool = True,
     fault=None,
+    resume: Path | None = None,
+    fp32_modules: tuple[str, ...] = (),
+    **args,
 ) -> Path:
     """An HF Trainer run into ``out`` (its output_dir); ``fault(model, step)`` is called at the
-    end of each step (a planted fault, for the cases that need one)."""
+    end of each step (a planted fault, for the cases that need one). ``resume``: the checkpoint
+    ``train(resume_from_checkpoint=...)`` starts from; ``fp32_modules``: modules whose forward
+    runs in fp32 (autocast off, inputs cast up: what diagnose's advice says in the user's
+    terms); ``args``: more ``TrainingArguments`` (``warmup_steps``, ``max_grad_norm`` ...)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     model = gpt2()
     args = TrainingArguments(
         output_dir=str(out), use_cpu=True, fp16=fp16, max_steps=steps,
         per_device_train_batch_size=4, save_steps=save_steps, logging_steps=1, report_to=[],
-        learning_rate=lr, warmup_steps=0, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-        save_only_model=False,
+        learning_rate=lr, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        save_only_model=False, **{"warmup_steps": 0, **args},
     )  # fmt: skip
+    for name in fp32_modules:
+        _in_fp32(model.get_submodule(name))
     callbacks = []
     if fault is not None:
 
@@ -74,8 +82,20 @@ def trainer_run(
         trainer.accelerator.scaler = torch.amp.GradScaler(
             "cpu", init_scale=init_scale, growth_interval=growth_interval
         )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     return out
+
+
+def _in_fp32(module: torch.nn.Module) -> None:
+    """``module``'s forward in fp32: autocast off inside, floating inputs cast up."""
+    forward = module.forward
+
+    def fp32_forward(*a, **kw):
+        up = [x.float() if torch.is_tensor(x) and x.is_floating_point() else x for x in a]
+        with torch.autocast("cpu", enabled=False):
+            return forward(*up, **kw)
+
+    module.forward = fp32_forward
 
 
 def _scale_weight(name: str, factor: float, at: int):
