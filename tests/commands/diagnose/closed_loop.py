@@ -39,6 +39,7 @@ RERUNNABLE = (
     "ampctl/forward-overflow",
     "ampctl/floor",
     "ampctl/underflow",
+    "ampctl/fp8-saturated",
     "hf/lr-1.0",
     "hf/lr-0.3",
     "hf/lr-0.3-ckpt20",

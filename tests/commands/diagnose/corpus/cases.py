@@ -177,7 +177,7 @@ CASES: tuple[Case, ...] = (
          twin="ampctl/underflow-twin"),
     Case("ampctl/fp8-healthy", KINDS[7], FORMATS[4], "ampctl-fp8-healthy", _ok("checkpoints/step_00000008.pt")),
     Case("ampctl/fp8-saturated", KINDS[7], FORMATS[4], "ampctl-fp8-saturated",
-         _bad("fp8_headroom", "checkpoints/step_00000008.pt", "precision.fp8_exclude"),
+         _bad("fp8_headroom", "checkpoints/step_00000004.pt", "precision.fp8_exclude"),
          twin="ampctl/fp8-healthy"),
     Case("ampctl/promoted", KINDS[10], FORMATS[4], "ampctl-promoted",
          _back("checkpoints/step_00000024.pt", "to fp32", {"precision.fp32_modules"}),
