@@ -9,7 +9,6 @@ everything that reads the device on the host says so.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -172,16 +171,6 @@ class StepRecord:
     @property
     def num_updates(self) -> int:
         """Number of ``update()`` calls that recorded a step (host counter, no read)."""
-        return self._num_updates
-
-    @property
-    def num_steps(self) -> int:
-        """Deprecated name of :attr:`num_updates` (it counts updates, skipped ones included)."""
-        warnings.warn(
-            "LossScaler.num_steps is deprecated: use num_updates",
-            DeprecationWarning,
-            stacklevel=2,
-        )
         return self._num_updates
 
     def history(self) -> list[tuple[int, float, bool]]:

@@ -83,7 +83,6 @@ class GuardConfig(GuardRules):
             factor=self.divergence_factor,
             patience=self.divergence_patience,
             action=self.divergence_action,
-            lr_cut=self.divergence_lr_cut,
         )
 
     @property
