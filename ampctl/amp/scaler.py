@@ -828,11 +828,11 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
         self._init_scale_given = float(config.init_scale)
 
     # settings, read-only (set_bounds and set_hysteresis change the first three)
-    min_scale = property(attrgetter("_min_scale"))
-    max_scale = property(attrgetter("_max_scale"))
-    hysteresis = property(attrgetter("_hysteresis"))
-    history_size = property(attrgetter("_history_size"))
-    check_loss = property(attrgetter("_check_loss"))
+    min_scale = property(attrgetter("_min_scale"), doc="The scale's floor.")
+    max_scale = property(attrgetter("_max_scale"), doc="The scale's ceiling.")
+    hysteresis = property(attrgetter("_hysteresis"), doc="Overflows tolerated before backing off.")
+    history_size = property(attrgetter("_history_size"), doc="Step records kept on the device.")
+    check_loss = property(attrgetter("_check_loss"), doc="A non-finite loss: a forward overflow.")
 
     @property
     def last_step_loss(self) -> torch.Tensor | None:

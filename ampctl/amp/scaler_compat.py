@@ -42,19 +42,6 @@ class CallOrderError(RuntimeError, AssertionError):
     """
 
 
-def _initial(key: str, cast: type) -> property:
-    """GradScaler's ``_init_<key>``: ``_init[key]``, set as ``cast(value)``."""
-
-    def get(self: GradScalerPrivates) -> Any:
-        self._absent_when_disabled(f"_init_{key}")
-        return self._init[key]
-
-    def put(self: GradScalerPrivates, value: Any) -> None:
-        self._init[key] = cast(value)
-
-    return property(get, put)
-
-
 class GradScalerPrivates:
     """GradScaler's private attributes and helpers, for :class:`~ampctl.amp.LossScaler` (a
     mixin: it uses the scaler's ``_t``, ``_init``, ``_enabled``, ``_device_type``,
@@ -93,10 +80,26 @@ class GradScalerPrivates:
     def _growth_tracker(self, value: Any) -> None:
         self._assign("growth_tracker", value)
 
-    # what the device state starts from (GradScaler's meaning: set by the constructor,
-    # load_state_dict and unpickling); absent when disabled
-    _init_scale = _initial("scale", float)
-    _init_growth_tracker = _initial("growth_tracker", int)
+    @property
+    def _init_scale(self) -> float:
+        """The scale the device state starts from (GradScaler's meaning: set by the
+        constructor, ``load_state_dict`` and unpickling). Absent when disabled."""
+        self._absent_when_disabled("_init_scale")
+        return self._init["scale"]
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._init["scale"] = float(value)
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """The growth tracker the device state starts from. Absent when disabled."""
+        self._absent_when_disabled("_init_growth_tracker")
+        return self._init["growth_tracker"]
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._init["growth_tracker"] = int(value)
 
     @property
     def _device(self) -> str:
