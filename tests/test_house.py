@@ -2,7 +2,9 @@
 over 900 lines, no function over 150, and the numeric core free of CLI, config and display code.
 
 The import graph is read with ``ast`` (every ``import``, also inside functions and under
-``TYPE_CHECKING``), so a lazy import cannot hide a cycle.
+``TYPE_CHECKING``), so a lazy import cannot hide a cycle; a module that imports from its own
+package's ``__init__`` depends on it, and the packages' modules taken together must not import one
+another in a cycle either.
 """
 
 from __future__ import annotations
@@ -13,19 +15,21 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "ampctl"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = PKG) -> dict[str, Path]:
     mods = {}
-    for p in PKG.rglob("*.py"):
-        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+    for p in root.rglob("*.py"):
+        parts = list(p.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         mods[".".join(parts)] = p
     return mods
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the ampctl modules it imports (a package's ``__init__`` counts as the package)."""
-    mods = _modules()
+def import_graph(root: Path = PKG) -> dict[str, set[str]]:
+    """Module -> the modules of ``root``'s package it imports (a package's ``__init__`` counts as
+    the package). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else
+    to ``pkg``: a module that takes names from its own package's ``__init__`` depends on it."""
+    mods = _modules(root)
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
@@ -38,13 +42,49 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
+                names = [base + "." + a.name for a in node.names]
+                names = [nm if nm in mods else base for nm in names]
             for nm in names:
                 while nm and nm not in mods:
                     nm = nm.rsplit(".", 1)[0] if "." in nm else ""
-                if nm and nm != m and not m.startswith(nm + "."):
+                if nm and nm != m:
                     edges[m].add(nm)
     return edges
+
+
+def pass_through(mods: dict[str, Path]) -> set[str]:
+    """The packages whose ``__init__`` only imports (and names ``__all__``): a cycle through one
+    of them and a single module is not a cycle between modules. An ``__init__`` with code of its
+    own (a function, a class, a constant) is a module like any other."""
+
+    def only_imports(s: ast.stmt) -> bool:
+        doc = isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+        names = [getattr(t, "id", "") for t in getattr(s, "targets", [])]
+        return isinstance(s, ast.Import | ast.ImportFrom) or doc or names == ["__all__"]
+
+    return {
+        m
+        for m, p in mods.items()
+        if p.name == "__init__.py" and all(map(only_imports, ast.parse(p.read_text()).body))
+    }
+
+
+def package_edges(edges: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """The import graph between ``package``'s children, each child (a module, or a subpackage's
+    modules taken together) one node."""
+
+    def child(m: str) -> str | None:
+        rest = m.removeprefix(package + ".")
+        return None if rest == m else f"{package}.{rest.split('.')[0]}"
+
+    out: dict[str, set[str]] = {}
+    for m, deps in edges.items():
+        if (c := child(m)) is not None:
+            out.setdefault(c, set()).update(d for d in map(child, deps) if d not in (None, c))
+    for deps in list(out.values()):
+        for d in deps:
+            out.setdefault(d, set())
+    return out
 
 
 def cycles(edges: dict[str, set[str]], packages: set[str]) -> list[list[str]]:
@@ -100,12 +140,56 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert cycles({"a": {"b"}, "b": set()}, set()) == []
     # a cycle through a package __init__ and one real module is not a cycle between modules
     assert cycles({"pkg": {"pkg.m"}, "pkg.m": {"pkg"}}, {"pkg"}) == []
+    # ... unless the __init__ has code of its own
+    assert cycles({"pkg": {"pkg.m"}, "pkg.m": {"pkg"}}, set()) == [["pkg", "pkg.m"]]
+
+
+def test_a_lazy_import_of_a_child_that_imports_its_package_is_a_cycle(tmp_path):
+    pkg = tmp_path / "top" / "pkg"
+    pkg.mkdir(parents=True)
+    (tmp_path / "top" / "__init__.py").write_text('"""Only imports."""\nfrom .pkg import a\n')
+    (pkg / "__init__.py").write_text(
+        "class Base: ...\n\ndef make():\n    from .a import A\n\n    return A()\n"
+    )
+    (pkg / "a.py").write_text("from . import Base\n\nclass A(Base): ...\n")
+    (pkg / "b.py").write_text("from . import a\nfrom .a import A\n")
+    edges = import_graph(tmp_path / "top")
+    # a submodule taken by name from its package is an edge to the submodule, not the package
+    assert edges["top.pkg.b"] == {"top.pkg.a"}
+    assert edges["top.pkg.a"] == {"top.pkg"} and edges["top.pkg"] == {"top.pkg.a"}
+    mods = _modules(tmp_path / "top")
+    assert pass_through(mods) == {"top"}
+    assert cycles(edges, pass_through(mods)) == [["top.pkg", "top.pkg.a"]]
+    # with the base class in its own module the package only chooses: no cycle
+    (pkg / "__init__.py").write_text(
+        "from .base import Base\n\ndef make():\n    from .a import A\n"
+    )
+    (pkg / "base.py").write_text("class Base: ...\n")
+    (pkg / "a.py").write_text("from .base import Base\n\nclass A(Base): ...\n")
+    assert cycles(import_graph(tmp_path / "top"), pass_through(mods)) == []
+
+
+def test_the_package_graph_finds_a_planted_cycle_between_packages():
+    # no two modules import each other, but r.p and r.q do, their modules taken together
+    edges = {"r.p.a": {"r.q.b"}, "r.q.b": set(), "r.q.c": {"r.p.d"}, "r.p.d": set(), "r.s": set()}
+    assert cycles(edges, set()) == []
+    assert package_edges(edges, "r") == {"r.p": {"r.q"}, "r.q": {"r.p"}, "r.s": set()}
+    assert cycles(package_edges(edges, "r"), set()) == [["r.p", "r.q"]]
+    assert package_edges(edges, "r.p") == {"r.p.a": set(), "r.p.d": set()}
 
 
 def test_no_import_cycle_between_modules():
-    mods = _modules()
-    packages = {m for m, p in mods.items() if p.name == "__init__.py"}
-    assert cycles(import_graph(), packages) == []
+    assert cycles(import_graph(), pass_through(_modules())) == []
+
+
+def test_no_import_cycle_between_packages():
+    """At every level, a package's children (modules, subpackages taken together) import one
+    another one way only: e.g. ``ampctl.config`` composes ``ampctl.train``'s settings, so nothing
+    in ``ampctl.train`` imports ``ampctl.config``."""
+    edges = import_graph()
+    packages = {m for m, p in _modules().items() if p.name == "__init__.py"}
+    found = {pkg: cycles(package_edges(edges, pkg), set()) for pkg in sorted(packages)}
+    assert {pkg: c for pkg, c in found.items() if c} == {}
 
 
 def test_no_module_over_900_lines_and_no_function_over_150():

@@ -268,7 +268,6 @@ class DivergenceRules:
     patience: int = 3
     warmup: int = 1
     action: str = "stop"
-    lr_cut: float = 0.5
 
 
 def _finite(x: float) -> bool:

@@ -73,6 +73,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -826,25 +827,12 @@ class LossScaler(StepRecord, GradScalerPrivates, torch.cuda.amp.GradScaler):
             self.update(new_scale=config.init_scale)
         self._init_scale_given = float(config.init_scale)
 
-    @property
-    def min_scale(self) -> float:
-        return self._min_scale
-
-    @property
-    def max_scale(self) -> float:
-        return self._max_scale
-
-    @property
-    def hysteresis(self) -> int:
-        return self._hysteresis
-
-    @property
-    def history_size(self) -> int:
-        return self._history_size
-
-    @property
-    def check_loss(self) -> bool:
-        return self._check_loss
+    # settings, read-only (set_bounds and set_hysteresis change the first three)
+    min_scale = property(attrgetter("_min_scale"), doc="The scale's floor.")
+    max_scale = property(attrgetter("_max_scale"), doc="The scale's ceiling.")
+    hysteresis = property(attrgetter("_hysteresis"), doc="Overflows tolerated before backing off.")
+    history_size = property(attrgetter("_history_size"), doc="Step records kept on the device.")
+    check_loss = property(attrgetter("_check_loss"), doc="A non-finite loss: a forward overflow.")
 
     @property
     def last_step_loss(self) -> torch.Tensor | None:

@@ -9,7 +9,6 @@ everything that reads the device on the host says so.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -20,6 +19,11 @@ __all__ = ["StepRecord"]
 
 # The running base of the counters: everything before the oldest row not folded in yet.
 _BASE = ("skipped_total", "forward_overflows", "spikes", "consecutive_overflows")
+
+
+def _stat(key: str, doc: str) -> property:
+    """A read-only property: ``stats()[key]``, which **syncs**."""
+    return property(lambda self: self.stats()[key], doc=f"{doc} **Syncs.**")
 
 
 class StepRecord:
@@ -139,25 +143,16 @@ class StepRecord:
         return torch.where(ok, loss, 0.0).sum(), ok.sum().double()
 
     # ------------------------------------------------------------------ observed skips
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last recorded step was skipped. **Syncs.**"""
-        return self.stats()["last_skipped"]
-
-    @property
-    def skipped_steps(self) -> int:
-        """Total skipped steps since the start (kept across checkpoints). **Syncs.**"""
-        return self.stats()["skipped_total"]
-
-    @property
-    def forward_overflows(self) -> int:
-        """Skipped steps whose loss itself was not finite. **Syncs.**"""
-        return self.stats()["forward_overflows"]
-
-    @property
-    def consecutive_overflows(self) -> int:
-        """Skipped steps in a row up to the last one (0 after a clean step). **Syncs.**"""
-        return self.stats()["consecutive_overflows"]
+    last_step_skipped = _stat("last_skipped", "Whether the last recorded step was skipped.")
+    skipped_steps = _stat(
+        "skipped_total", "Total skipped steps since the start (kept across checkpoints)."
+    )
+    forward_overflows = _stat(
+        "forward_overflows", "Skipped steps whose loss itself was not finite."
+    )
+    consecutive_overflows = _stat(
+        "consecutive_overflows", "Skipped steps in a row up to the last one (0 after a clean step)."
+    )
 
     def mark_applied(self) -> None:
         """The last recorded step was applied after all (the guard reran it clean and stepped the
@@ -172,16 +167,6 @@ class StepRecord:
     @property
     def num_updates(self) -> int:
         """Number of ``update()`` calls that recorded a step (host counter, no read)."""
-        return self._num_updates
-
-    @property
-    def num_steps(self) -> int:
-        """Deprecated name of :attr:`num_updates` (it counts updates, skipped ones included)."""
-        warnings.warn(
-            "LossScaler.num_steps is deprecated: use num_updates",
-            DeprecationWarning,
-            stacklevel=2,
-        )
         return self._num_updates
 
     def history(self) -> list[tuple[int, float, bool]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ampctl.amp.checks import boolean, check, integer, is_int, nonblank, number, one_of, optional
 from ampctl.amp.fp8 import DemoteRules
@@ -73,26 +74,16 @@ class GuardConfig(GuardRules):
         super().__post_init__()
         check(self, _GUARD_RULES)
 
-    @property
-    def rules(self) -> GuardRules:
-        return GuardRules(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GuardRules)})
+    def _rules(self, cls: type, prefix: str) -> Any:
+        """``cls`` from the fields named ``prefix`` + one of its fields (a field without one
+        keeps its default: DivergenceRules' ``warmup``)."""
+        names = [f.name for f in dataclasses.fields(cls) if hasattr(self, prefix + f.name)]
+        return cls(**{n: getattr(self, prefix + n) for n in names})
 
-    @property
-    def divergence_rules(self) -> DivergenceRules:
-        return DivergenceRules(
-            factor=self.divergence_factor,
-            patience=self.divergence_patience,
-            action=self.divergence_action,
-            lr_cut=self.divergence_lr_cut,
-        )
-
-    @property
-    def fp8_rules(self) -> DemoteRules:
-        return DemoteRules(
-            sat_threshold=self.fp8_sat_threshold,
-            under_threshold=self.fp8_under_threshold,
-            patience=self.fp8_patience,
-        )
+    # the rules the protection applies, from the fields above
+    rules = property(lambda self: self._rules(GuardRules, ""))
+    divergence_rules = property(lambda self: self._rules(DivergenceRules, "divergence_"))
+    fp8_rules = property(lambda self: self._rules(DemoteRules, "fp8_"))
 
 
 @dataclass(kw_only=True)

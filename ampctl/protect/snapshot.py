@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,18 +53,24 @@ def _copy_groups(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
                 torch._foreach_copy_(d, s)
 
 
+def _map_state(obj: Any, leaf: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of a nested state (dicts, lists, tuples) with ``leaf(tensor)`` for each tensor
+    and a deep copy of everything else."""
+    if isinstance(obj, torch.Tensor):
+        return leaf(obj)
+    if isinstance(obj, dict):
+        return {k: _map_state(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_state(v, leaf) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_state(v, leaf) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def clone_state(obj: Any) -> Any:
     """A copy of a (nested) state dict whose tensors are cloned on their device: what
     ``copy.deepcopy`` gives, without its per-object bookkeeping. No host read."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(clone_state(v) for v in obj)
-    return copy.deepcopy(obj)
+    return _map_state(obj, lambda t: t.detach().clone())
 
 
 class Snapshot:
@@ -172,15 +179,7 @@ class Snapshot:
 
 def _without_tensors(obj: Any) -> Any:
     """The nested state with every tensor replaced by None (the host part: lr, betas ...)."""
-    if isinstance(obj, torch.Tensor):
-        return None
-    if isinstance(obj, dict):
-        return {k: _without_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_without_tensors(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_without_tensors(v) for v in obj)
-    return copy.deepcopy(obj)
+    return _map_state(obj, lambda t: None)
 
 
 def _with_tensors(host: Any, paths: list[tuple], tensors: list[torch.Tensor]) -> Any:

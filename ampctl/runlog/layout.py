@@ -57,9 +57,6 @@ class RunLayout:
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / f"step_{int(step):08d}.pt"
 
-    def checkpoint_tmp(self, step: int) -> Path:
-        return self.checkpoints_dir / f".step_{int(step):08d}.pt.tmp"
-
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first (temp files are ignored)."""
         return list_checkpoints(self.checkpoints_dir)

@@ -524,11 +524,6 @@ class PackedSource(TokenSource):
             self._perm_cache[epoch] = perm
         return perm
 
-    def window_index(self, sample: int) -> int:
-        """Which window (0-based, in corpus order) global sample ``sample`` uses."""
-        epoch, slot = divmod(sample, self.num_windows)
-        return int(self._permutation(epoch)[slot])
-
     def _tokens(self, global_index: int, generator: torch.Generator) -> Tensor:
         first = global_index * self.batch_size
         samples = torch.arange(first, first + self.batch_size)
@@ -593,9 +588,3 @@ class TextSource(PackedSource):
                 f"data.path '{self.path}' holds {self.num_tokens} tokens, too few for one "
                 f"sequence of seq_len {seq_len}: give at least {self.width} bytes of text"
             )
-
-
-# the names of ampctl 0.2 and before (the sources serve causal models too, not only MLM)
-MLMSource = TokenSource
-SyntheticMLM = SyntheticSource
-TextMLM = TextSource

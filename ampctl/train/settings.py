@@ -5,7 +5,7 @@ Each is a plain dataclass, its defaults written once here and its rules in a tab
 (:class:`~ampctl.train.trainer.Trainer`, the builders, the data sources, :mod:`~ampctl.train.dist`)
 takes it as its own argument. This module imports nothing of the runtime, so
 :class:`~ampctl.config.RunConfig` composes these groups without importing the loop (config flows
-one way: runtime modules import the config, never the reverse).
+one way: the config imports these groups, nothing in ``ampctl.train`` imports the config).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,9 +71,6 @@ from ampctl.train.dist import (
 )
 from ampctl.train.schedule import lr_factor
 
-if TYPE_CHECKING:
-    from ampctl.config import RunConfig
-
 __all__ = [
     "Trainer",
     "TrainResult",
@@ -105,7 +102,8 @@ class Trainer(Shelled):
     """Build everything from a config and run the protected loop.
 
     Args:
-        cfg: validated config.
+        cfg: a validated :class:`~ampctl.config.RunConfig` (not imported: the config composes
+            this package's settings, so the loop imports no config module).
         run_dir: the run folder (created by the caller; see :func:`ampctl.runlog.new_run_dir`).
         display: object with ``update(metrics)``, ``event(event)``, ``summary(summary)``, or None.
         resume: a checkpoint dict (from :func:`load_checkpoint`) to continue from. When it is not
@@ -117,7 +115,7 @@ class Trainer(Shelled):
 
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: Any,
         run_dir: Path,
         *,
         display: Any = None,
@@ -790,7 +788,7 @@ class _Signals:
 
 
 def train(
-    cfg: RunConfig,
+    cfg: Any,
     run_dir: Path,
     *,
     display: Any = None,

@@ -137,9 +137,7 @@ def test_guard_config_builds_the_rules_the_protection_applies():
         fp8_under_threshold=0.05,
         fp8_patience=2,
     )
-    assert cfg.divergence_rules == DivergenceRules(
-        factor=7.5, patience=4, action="rollback", lr_cut=0.25
-    )
+    assert cfg.divergence_rules == DivergenceRules(factor=7.5, patience=4, action="rollback")
     assert cfg.fp8_rules == DemoteRules(sat_threshold=0.2, under_threshold=0.05, patience=2)
     assert GuardConfig().divergence_rules == DivergenceRules()
     assert GuardConfig().fp8_rules == DemoteRules()

@@ -272,17 +272,3 @@ class Precision:
         else:
             module.forward = orig
         self.in_fp32.remove(name)
-
-    # the names of ampctl 0.2 and before, kept for code written against them
-    @property
-    def exempted(self) -> list[str]:
-        """Old name of :attr:`in_fp32`."""
-        return self.in_fp32
-
-    def exempt(self, model: nn.Module, name: str) -> bool:
-        """Old name of :meth:`to_fp32`."""
-        return self.to_fp32(model, name)
-
-    def unexempt(self, model: nn.Module, name: str) -> None:
-        """Old name of :meth:`undo_fp32`."""
-        self.undo_fp32(model, name)

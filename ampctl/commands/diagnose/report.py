@@ -24,7 +24,9 @@ value a format does not record is ``null`` ("unknown"), never 0::
                   "first_bad_step": int|null,            # the first sign of unresolved trouble
                   "events": [str],                       # what the run went through, in words
                   "episodes": [{"kind", "start", "end", "resolved", "text"}]},
-      "problems": [{"kind", "severity": "error"|"warning"|"note", "message", ...details}],
+      "problems": [{"kind", "severity": "error"|"warning"|"note", "message",
+                    "step", "module", "tensors", "params", "modules", "layers", "file"}],
+                                                         # the details: those that apply
       "state": {
         "weights":   {"tensors", "elements", "amax", "limit", "bad": [BadTensor]},
         "master":    {... same ...} | null,              # fp32 masters (fp16-pure, ZeRO)
@@ -34,7 +36,7 @@ value a format does not record is ``null`` ("unknown"), never 0::
                    "min_scale", "max_scale", "at_floor", "growth_interval", "growth_factor",
                    "backoff_factor", "growth_tracker", "hysteresis", "skipped_total",
                    "forward_overflows", "consecutive_overflows", "updates",
-                   "recent_window", "recent_skips"}
+                   "recent_window", "recent_skips", "spikes"}   # spikes: ampctl's, when saved
       },
       "history": null | {
         "source": "run folder" | path of trainer_state.json / metrics.csv / events folder,

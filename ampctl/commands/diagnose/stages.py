@@ -295,10 +295,6 @@ class History:
     rows: list[Row] = INTERNAL()  # every logged step up to the checkpoint
     guard_events: list[GuardEvent] = INTERNAL()
 
-    @property
-    def run_folder(self) -> bool:
-        return self.source == "run folder"
-
 
 # ---------------------------------------------------------------------------- 3. replay
 @dataclass

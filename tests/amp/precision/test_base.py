@@ -284,8 +284,3 @@ def test_a_checkpoint_of_ampctl_0_2_names_its_fp32_modules_under_the_old_key():
     assert saved_in_fp32(p.state_dict()) == ["emb"]
     assert saved_in_fp32({"name": "fp16", "exempted": ["emb", "body"]}) == ["emb", "body"]
     assert saved_in_fp32({"name": "fp16"}) == []
-    # and code written against the old names still works
-    q = FP16Precision()
-    assert q.exempt(net, "body") is True and q.exempted == ["body"] == q.in_fp32
-    q.unexempt(net, "body")
-    assert q.in_fp32 == []

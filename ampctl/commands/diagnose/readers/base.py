@@ -396,15 +396,6 @@ def _safetensors_header(path: Path) -> tuple[list[tuple[str, str, tuple[int, ...
     return entries, data
 
 
-def safetensors_sizes(path: str | Path) -> tuple[int, int]:
-    """``(bytes, largest)`` of the tensors a ``.safetensors`` file declares, from its header
-    (read alone, bounded). Raises :class:`~ampctl.trust.FileRefused` for a header that is not
-    the format's, or that declares a tensor larger than the file holds."""
-    entries, _data = _safetensors_header(Path(path))
-    needs = [e[4] for e in entries]
-    return sum(needs), max(needs, default=0)
-
-
 def _safe_open(path: Path) -> Any:
     try:
         from safetensors import safe_open

@@ -8,7 +8,7 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
-from . import Launcher, LauncherOptions, Outcome, TrialJob
+from .base import Launcher, LauncherOptions, Outcome, TrialJob
 from .process import start_trial
 
 __all__ = ["LocalLauncher", "threads_per_trial", "cores"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ampctl.files import open_append
 
-from . import Outcome, TrialJob
+from .base import Outcome, TrialJob
 
 __all__ = ["run_trial", "start_trial", "FolderNotShared"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ampctl.errors import UsageError, first_line
 
-from . import Launcher, LauncherOptions, Outcome, TrialJob, import_for
+from .base import Launcher, LauncherOptions, Outcome, TrialJob, import_for
 from .process import run_trial
 
 __all__ = ["RayLauncher"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from ampctl.errors import UsageError, first_line
 
-from . import Launcher, LauncherOptions, Outcome, TrialJob, import_for, parse_time_minutes
+from .base import Launcher, LauncherOptions, Outcome, TrialJob, import_for, parse_time_minutes
 from .process import run_trial
 
 __all__ = ["SlurmLauncher"]

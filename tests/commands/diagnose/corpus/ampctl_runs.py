@@ -169,11 +169,11 @@ def own_loop(
     step's loss (a spike); ``lr_at`` sets the optimizer's lr from a step on (a bad schedule)."""
     from ampctl.amp import LossScaler
     from ampctl.integrations import ProtectedRun
-    from ampctl.train.data import SyntheticMLM
+    from ampctl.train.data import SyntheticSource
     from ampctl.train.models import BertForMaskedLM
 
     torch.manual_seed(0)
-    data = SyntheticMLM(vocab_size=64, seq_len=16, batch_size=4)
+    data = SyntheticSource(vocab_size=64, seq_len=16, batch_size=4)
     model = BertForMaskedLM(
         vocab_size=64, max_position=16, hidden_size=32, num_layers=1, num_heads=2, ffn_size=64,
         dropout=0.0, attn_impl="eager",
