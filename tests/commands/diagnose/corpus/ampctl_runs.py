@@ -209,11 +209,11 @@ OWN_PARAM = "bert.encoder.layer.0.output.dense.weight"
 def rebuild(config: dict | None) -> dict:
     """The own loop's model, batches and optimizer, as ``ampctl diagnose --rebuild`` takes them
     (``tests.commands.diagnose.corpus.ampctl_runs:rebuild``): what a user writes for their loop."""
-    from ampctl.train.data import SyntheticMLM
+    from ampctl.train.data import SyntheticSource
     from ampctl.train.models import BertForMaskedLM
 
     torch.manual_seed(0)
-    data = SyntheticMLM(vocab_size=64, seq_len=16, batch_size=4)
+    data = SyntheticSource(vocab_size=64, seq_len=16, batch_size=4)
     model = BertForMaskedLM(
         vocab_size=64, max_position=16, hidden_size=32, num_layers=1, num_heads=2, ffn_size=64,
         dropout=0.0, attn_impl="eager",
