@@ -104,8 +104,9 @@ def test_local_crash_ctrl_c_and_resume(tmp_path, hold_file, sigint_handled):
     tdir = runs / "s" / "role=hold"
     before = (tdir / "metrics.jsonl").read_text()
     hold_file.unlink()  # the held trial may finish now
-    again, out = run_sweep_here(runs, *args, steps=12, baseline=False, name="s")
-    # the interrupted trial continues from its checkpoint; the dead one runs again from scratch
+    # both at once (nothing is pressed now): the interrupted trial continues from its
+    # checkpoint; the dead one runs again from scratch
+    again, out = run_sweep_here(runs, *args, jobs=2, steps=12, baseline=False, name="s")
     assert again.resumed == ["role=hold"] and again.moved_aside == ["role=die.incomplete-1"]
     rows = {r["trial"]: r for r in again.rows}
     assert rows["role=hold"]["status"] == "ok" and rows["role=hold"]["steps_spent"] == 12
