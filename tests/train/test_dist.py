@@ -1,9 +1,9 @@
 """Distributed training on CPU with gloo, 2 processes: rank-consistent overflow handling, and
 DDP / FSDP matching the single-process run on the same global batch.
 
-The ranks are forked from a forkserver that has imported torch and the trainer once (a fresh
-interpreter per rank pays seconds of imports on 2 cores); ``torchrun -m ampctl train`` runs as a
-real launcher for DDP."""
+The ranks are forked from the session's forkserver (tests/conftest.py), which has imported torch
+and the trainer once (a fresh interpreter per rank pays seconds of imports on 2 cores);
+``torchrun -m ampctl train`` runs as a real launcher for DDP."""
 
 from __future__ import annotations
 
@@ -34,15 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# what each rank needs, imported once in the forkserver (torch._dynamo: the first optimizer
-# imports it, seconds); a forkserver started before this module ran only makes the ranks slower
-mp.set_forkserver_preload(
-    ["torch", "torch._dynamo", "ampctl.cli", "ampctl.train.trainer", __name__]
-)
-
-
 def _ranks(fn, *args) -> None:
-    """``fn(rank, *args)`` in 2 processes forked from the forkserver; a rank that fails raises."""
+    """``fn(rank, *args)`` in 2 processes forked from the session's forkserver (tests/conftest.py:
+    torch and the trainer imported once); a rank that fails raises."""
     mp.start_processes(fn, args=args, nprocs=2, join=True, start_method="forkserver")
 
 
@@ -138,7 +132,7 @@ def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
 
 def test_ddp_and_fsdp_match_single_process_on_the_same_global_batch(tmp_path):
     runs = tmp_path / "runs"
-    common = [*FAST, f"trainer.runs_dir={runs}", "--quiet", "precision=fp32"]
+    common = [*FAST, f"trainer.runs_dir={runs}", "logging.plot=false", "--quiet", "precision=fp32"]
     # one process accumulating 2 micro-batches sees global batches 2i, 2i+1: what 2 ranks see
     single = train(
         load_config([*common[:-2], "precision=fp32", "trainer.grad_accum_steps=2"]),
