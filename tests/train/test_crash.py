@@ -52,12 +52,15 @@ def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
     imports."""
     runs = tmp_path / "runs"
     torch.set_num_threads(1)  # as the killed processes run
-    ref = CliRunner().invoke(app, _cmd(runs, "--name", "ref")[3:])  # in-process: nothing to kill
+    # 48 steps (~1 s on 2 cores): a process forked in milliseconds must still be training when
+    # the kill comes, up to 0.6 s after its first checkpoint
+    steps = "trainer.max_steps=48"
+    ref = CliRunner().invoke(app, _cmd(runs, "--name", "ref", steps)[3:])  # in-process
     assert ref.exit_code == 0, ref.output
     rng = random.Random(0)
     run_dir = runs / "victim"
     output = str(tmp_path / "output.txt")  # what the processes print
-    proc = forked(ampctl_main, *_cmd(runs, "--name", "victim")[3:], output=output)
+    proc = forked(ampctl_main, *_cmd(runs, "--name", "victim", steps)[3:], output=output)
     kills = 0
     while True:
         # wait until training has really started, then kill at a random moment
