@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,39 @@ FAST = [
 # tests set OMP_NUM_THREADS=1 too.) scripts/mutation.sh needs 1 anyway: its workers are forked
 # from the process that ran the tests, and an OpenMP pool started before a fork hangs the child.
 THREADS = int(os.environ.get("AMPCTL_TEST_THREADS", "1"))
+
+
+# A test about what a process leaves behind (killed mid-write, SIGKILLed, a rank of a process
+# group) forks that process from the session's forkserver, which imports torch, torch._dynamo
+# (the first optimizer imports it) and ampctl once: a fresh interpreter pays seconds of imports
+# each on 2 cores. (Tests about the process itself -- its start, its output, its exit code
+# under torchrun or a signal -- still start `python -m ampctl`.)
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch._dynamo", "ampctl.cli", "ampctl.train.trainer", "typer.testing"]
+)
+
+
+def forked(target, *args, **kwargs) -> multiprocessing.Process:
+    """``target(*args, **kwargs)`` in a process forked from the forkserver, started
+    (``.exitcode``, ``.kill()``, ``.join()``); a SystemExit's code is its exit code."""
+    ctx = multiprocessing.get_context("forkserver")
+    proc = ctx.Process(target=target, args=args, kwargs=kwargs)
+    proc.start()
+    return proc
+
+
+def ampctl_main(*args: str, output: str | None = None) -> None:
+    """``ampctl ARGS`` as ``python -m ampctl`` runs it, one thread (a :func:`forked` target):
+    stdout and stderr into the file ``output``."""
+    torch.set_num_threads(1)
+    if output is not None:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    sys.argv = ["ampctl", *args]
+    from ampctl.cli import main
+
+    main()
 
 
 @pytest.fixture(autouse=True)

@@ -260,15 +260,20 @@ def test_no_numpy_warning_from_torch_on_a_core_install(tmp_path):
     block = "import sys; sys.modules['numpy'] = None; "  # as if NumPy were not installed
     # what every command does: the CLI module first, torch when the command needs it
     cmd = "import ampctl.cli; import torch; print('trainer:')"
-    out = {}
-    for name, code in (("torch", block + "import torch"), ("ampctl", block + cmd)):
-        out[name] = subprocess.run(
+    procs = {  # both at once (one core each)
+        name: subprocess.Popen(
             [sys.executable, "-W", "default", "-c", code],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
             cwd=tmp_path,
         )
+        for name, code in (("torch", block + "import torch"), ("ampctl", block + cmd))
+    }
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     assert "Failed to initialize NumPy" in out["torch"].stderr  # what a user would have seen
     assert out["ampctl"].returncode == 0, out["ampctl"].stderr
     assert "Failed to initialize NumPy" not in out["ampctl"].stderr

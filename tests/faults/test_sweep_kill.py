@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +66,16 @@ def _outcome(sweep_dir: Path) -> dict:
     }
 
 
+def _kill_once_second_has_a_checkpoint(sweep: subprocess.Popen, sdir: Path) -> None:
+    deadline = time.time() + 240
+    second = sdir / SECOND / "checkpoints"
+    while time.time() < deadline and sweep.poll() is None:
+        if second.is_dir() and any(p.name.startswith("step_") for p in second.iterdir()):
+            break
+        time.sleep(0.01)
+    _kill_all(sweep, sdir)
+
+
 def test_a_killed_sweep_continues_where_it_was(tmp_path):
     runs = (tmp_path / "runs").resolve()
     sdir = runs / "s"
@@ -75,13 +86,15 @@ def test_a_killed_sweep_continues_where_it_was(tmp_path):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 240
-    second = sdir / SECOND / "checkpoints"
-    while time.time() < deadline and sweep.poll() is None:
-        if second.is_dir() and any(p.name.startswith("step_") for p in second.iterdir()):
-            break
-        time.sleep(0.01)
-    _kill_all(sweep, sdir)
+    # the sweep runs its trials one at a time (one core); on the other, the uninterrupted sweep
+    # to compare with runs here meanwhile (both trials at once), while a thread kills the sweep
+    # once its second trial has written a checkpoint
+    killer = threading.Thread(target=_kill_once_second_has_a_checkpoint, args=(sweep, sdir))
+    killer.start()
+    ref = ampctl_here(*_args(runs, "ref", jobs=2))
+    killer.join(timeout=300)
+    assert not killer.is_alive() and sweep.poll() is not None
+    assert ref.exit_code == 0, ref.output
     assert _trial_pids(sdir) == []
     assert (sdir / FIRST / "summary.json").is_file()  # finished before the kill
     assert not (sdir / SECOND / "summary.json").exists()  # killed part way
@@ -95,7 +108,4 @@ def test_a_killed_sweep_continues_where_it_was(tmp_path):
     assert piece["resumed_from_step"] >= 4 and "--resume" in piece["command"]
     assert not list(sdir.glob("*.incomplete-*"))  # nothing run again from scratch
     assert {p: p.read_bytes() for p in first_files} == first_files  # the finished one untouched
-
-    ref = ampctl_here(*_args(runs, "ref", jobs=2))  # an uninterrupted sweep (both at once)
-    assert ref.exit_code == 0, ref.output
-    assert _outcome(sdir) == _outcome(runs / "ref")
+    assert _outcome(sdir) == _outcome(runs / "ref")  # as the uninterrupted sweep ended

@@ -215,20 +215,35 @@ if sys.argv[2] == "exit3":
 """
 
 
-@pytest.mark.parametrize(
-    ("end", "status", "code"),
-    [("exit", "ok", 0), ("crash", "failed", 1), ("exit3", "failed", 3)],
-)
-def test_attach_without_detach_still_writes_the_summary(tmp_path, end, status, code):
+_ENDS = [("exit", "ok", 0), ("crash", "failed", 1), ("exit3", "failed", 3)]
+
+
+@pytest.fixture(scope="module")
+def detached(tmp_path_factory) -> dict[str, tuple[Path, subprocess.Popen]]:
+    """The three loops' processes, started at once (one core each), by how they end."""
+    root = tmp_path_factory.mktemp("detached")
+    return {
+        end: (
+            root / end,
+            subprocess.Popen(
+                [sys.executable, "-c", _DETACHED, str(root / end / "run"), end],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=Path(__file__).resolve().parents[2],
+            ),
+        )
+        for end, _, _ in _ENDS
+    }
+
+
+@pytest.mark.parametrize(("end", "status", "code"), _ENDS)
+def test_attach_without_detach_still_writes_the_summary(detached, end, status, code):
     """``while True:`` loops: ``attach()`` instead of a ``with`` block; a process that ends
     without ``detach()`` -- normally or by an exception -- leaves its summary."""
-    res = subprocess.run(
-        [sys.executable, "-c", _DETACHED, str(tmp_path / "run"), end],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    tmp_path, proc = detached[end]
+    _, stderr = proc.communicate(timeout=120)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
     assert res.returncode == code, res.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["status"], summary["steps"]) == (status, 3)

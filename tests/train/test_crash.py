@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from typer.testing import CliRunner
@@ -19,7 +20,7 @@ from ampctl.runlog.writers import new_run_dir
 from ampctl.train import checkpoint as ckpt_mod
 from ampctl.train.checkpoint import list_checkpoints, load_checkpoint
 from ampctl.train.trainer import train
-from tests.conftest import FAST, read_jsonl
+from tests.conftest import FAST, ampctl_main, forked, read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +36,7 @@ def _cmd(runs, *extra):
         "trainer.max_steps=24",
         "trainer.ckpt_every=1",
         "trainer.keep_last=2",
+        "logging.plot=false",  # no test here reads plot.png (matplotlib: seconds a process)
         "--quiet",
         *extra,
     ]
@@ -45,33 +47,35 @@ def _env():
 
 
 def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
+    """The victim and its resumes are processes forked from the session's forkserver (torch
+    and ampctl imported there once), so the kills land in training, not in an interpreter's
+    imports."""
     runs = tmp_path / "runs"
-    torch.set_num_threads(1)  # as the killed processes run (OMP_NUM_THREADS=1)
-    ref = CliRunner().invoke(app, _cmd(runs, "--name", "ref")[3:])  # in-process: nothing to kill
+    torch.set_num_threads(1)  # as the killed processes run
+    # 48 steps (~1 s on 2 cores): a process forked in milliseconds must still be training when
+    # the kill comes, up to 0.6 s after its first checkpoint
+    steps = "trainer.max_steps=48"
+    ref = CliRunner().invoke(app, _cmd(runs, "--name", "ref", steps)[3:])  # in-process
     assert ref.exit_code == 0, ref.output
     rng = random.Random(0)
     run_dir = runs / "victim"
-    proc = subprocess.Popen(
-        _cmd(runs, "--name", "victim"),
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    output = str(tmp_path / "output.txt")  # what the processes print
+    proc = forked(ampctl_main, *_cmd(runs, "--name", "victim", steps)[3:], output=output)
     kills = 0
     while True:
         # wait until training has really started, then kill at a random moment
         deadline = time.time() + 120
         while (
             not list_checkpoints(run_dir / "checkpoints")
-            and proc.poll() is None
+            and proc.is_alive()
             and time.time() < deadline
         ):
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.6))
-        if proc.poll() is not None:
+        if not proc.is_alive():
             break
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.kill()  # SIGKILL
+        proc.join()
         kills += 1
         ck = load_checkpoint(run_dir)  # the latest complete checkpoint always loads
         assert ck["step"] >= 1
@@ -79,21 +83,11 @@ def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
             assert p.name.startswith("step_") or p.name.endswith(".tmp")
         if kills >= 3:
             break
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ampctl", "train", "--resume", str(run_dir), "--quiet"],
-            env=_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-    if proc.poll() is None or kills >= 3:
-        done = subprocess.run(
-            [sys.executable, "-m", "ampctl", "train", "--resume", str(run_dir), "--quiet"],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
+        proc = forked(ampctl_main, "train", "--resume", str(run_dir), "--quiet", output=output)
+    if proc.is_alive() or kills >= 3:
+        done = forked(ampctl_main, "train", "--resume", str(run_dir), "--quiet", output=output)
+        done.join(timeout=300)
+        assert done.exitcode == 0, Path(output).read_text()
     assert kills >= 1
     a = [(r["step"], r["loss"], r["scale"]) for r in read_jsonl(runs / "ref" / "metrics.jsonl")]
     b = [(r["step"], r["loss"], r["scale"]) for r in read_jsonl(run_dir / "metrics.jsonl")]

@@ -1,5 +1,9 @@
 """Distributed training on CPU with gloo, 2 processes: rank-consistent overflow handling, and
-DDP / FSDP matching the single-process run on the same global batch."""
+DDP / FSDP matching the single-process run on the same global batch.
+
+The ranks are forked from the session's forkserver (tests/conftest.py), which has imported torch
+and the trainer once (a fresh interpreter per rank pays seconds of imports on 2 cores);
+``torchrun -m ampctl train`` runs as a real launcher for DDP."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from typer.testing import CliRunner
 
+from ampctl.cli import app
 from ampctl.config import load_config
 from ampctl.train.dist import DistContext
 from ampctl.train.trainer import train
@@ -28,7 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, runs: str, out: str, strategy: str) -> None:
+def _ranks(fn, *args) -> None:
+    """``fn(rank, *args)`` in 2 processes forked from the session's forkserver (tests/conftest.py:
+    torch and the trainer imported once); a rank that fails raises."""
+    mp.start_processes(fn, args=args, nprocs=2, join=True, start_method="forkserver")
+
+
+def _rank_env(rank: int, world: int, port: int) -> None:
+    """What torchrun sets for a rank."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -37,6 +50,18 @@ def _worker(rank: int, world: int, port: int, runs: str, out: str, strategy: str
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+
+
+def _cli_rank(rank: int, world: int, port: int, args: list[str]) -> None:
+    """``ampctl train ARGS`` as one of torchrun's ranks: the CLI joins the group from the
+    environment."""
+    _rank_env(rank, world, port)
+    res = CliRunner().invoke(app, ["train", *args])
+    assert res.exit_code == 0, res.output
+
+
+def _worker(rank: int, world: int, port: int, runs: str, out: str, strategy: str) -> None:
+    _rank_env(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, strategy=strategy)
     cfg = load_config(
@@ -75,13 +100,7 @@ def _worker(rank: int, world: int, port: int, runs: str, out: str, strategy: str
 def test_overflow_on_one_rank_skips_on_all(tmp_path, strategy):
     out = tmp_path / "out"
     out.mkdir()
-    mp.start_processes(
-        _worker,
-        args=(2, _free_port(), str(tmp_path / "runs"), str(out), strategy),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    _ranks(_worker, 2, _free_port(), str(tmp_path / "runs"), str(out), strategy)
     r0 = torch.load(out / "rank0.pt", weights_only=True)
     r1 = torch.load(out / "rank1.pt", weights_only=True)
     assert r0["status"] == r1["status"] == "ok"
@@ -113,7 +132,7 @@ def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
 
 def test_ddp_and_fsdp_match_single_process_on_the_same_global_batch(tmp_path):
     runs = tmp_path / "runs"
-    common = [*FAST, f"trainer.runs_dir={runs}", "--quiet", "precision=fp32"]
+    common = [*FAST, f"trainer.runs_dir={runs}", "logging.plot=false", "--quiet", "precision=fp32"]
     # one process accumulating 2 micro-batches sees global batches 2i, 2i+1: what 2 ranks see
     single = train(
         load_config([*common[:-2], "precision=fp32", "trainer.grad_accum_steps=2"]),
@@ -121,9 +140,10 @@ def test_ddp_and_fsdp_match_single_process_on_the_same_global_batch(tmp_path):
     )
     assert single.status == "ok"
     losses = {"single": [r["loss"] for r in read_jsonl(single.run_dir / "metrics.jsonl")]}
+    res = _torchrun([*common, "dist.strategy=ddp", "--name", "ddp"], nproc=2)  # a real torchrun
+    assert res.returncode == 0, res.stderr[-2000:]
+    _ranks(_cli_rank, 2, _free_port(), [*common, "dist.strategy=fsdp", "--name", "fsdp"])
     for strategy in ("ddp", "fsdp"):
-        res = _torchrun([*common, f"dist.strategy={strategy}", "--name", strategy], nproc=2)
-        assert res.returncode == 0, res.stderr[-2000:]
         losses[strategy] = [r["loss"] for r in read_jsonl(runs / strategy / "metrics.jsonl")]
     # fp32: the only difference is the order of the gradient sum (all-reduce vs accumulation),
     # a few ulps per step; over 12 AdamW steps that stays far below 1e-4 relative.

@@ -5,9 +5,8 @@ leaves the previous checkpoint whole."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-import textwrap
+import io
+import os
 
 import pytest
 import torch
@@ -16,9 +15,10 @@ from typer.testing import CliRunner
 from ampctl.cli import app
 from ampctl.runlog import RunLayout
 from ampctl.runlog.writers import new_run_dir
+from ampctl.train import checkpoint as ck_mod
 from ampctl.train.checkpoint import load_checkpoint
 from ampctl.train.trainer import Trainer
-from tests.conftest import FAST, read_jsonl
+from tests.conftest import FAST, ampctl_main, forked, read_jsonl
 from tests.protect.test_protection import planted
 
 
@@ -131,49 +131,40 @@ def test_fp32_modules_run_in_fp32_at_run_time(fast_cfg):
     }
 
 
-KILL_AT_BYTE = """
-import os, sys
-import torch
-import ampctl.train.checkpoint as ck
-from ampctl.cli import main
+def _die_in_the_second_checkpoint(cut: int, cwd: str, args: list[str], output: str) -> None:
+    """``ampctl train ARGS`` whose second checkpoint write ends the process after ``cut`` bytes
+    (-1: half of them), written and synced: ``os._exit``, no cleanup runs (a :func:`forked`
+    target)."""
+    real_save, calls = torch.save, {"n": 0}
 
-real_save, calls = torch.save, {{"n": 0}}
+    def save_then_die(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] < 2:
+            return real_save(obj, f, *a, **k)
+        buf = io.BytesIO()
+        real_save(obj, buf, *a, **k)
+        data = buf.getvalue()
+        f.write(data[: cut if cut >= 0 else len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        os._exit(137)  # killed mid-write: no cleanup runs
 
-def save_then_die(obj, f, *a, **k):
-    calls["n"] += 1
-    if calls["n"] < 2:
-        return real_save(obj, f, *a, **k)
-    import io
-    buf = io.BytesIO()
-    real_save(obj, buf, *a, **k)
-    data = buf.getvalue()
-    cut = {cut} if {cut} >= 0 else len(data) // 2
-    f.write(data[:cut])
-    f.flush()
-    os.fsync(f.fileno())
-    os._exit(137)  # killed mid-write: no cleanup runs
-
-ck.torch.save = save_then_die
-sys.argv = ["ampctl", "train", *sys.argv[1:]]
-main()
-"""
+    ck_mod.torch.save = save_then_die
+    os.chdir(cwd)
+    ampctl_main("train", *args, output=output)
 
 
 @pytest.mark.parametrize("cut", [1, -1], ids=["first-byte", "half"])
 def test_kill_inside_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, cut):
     """The second checkpoint write dies after ``cut`` bytes (fault injection, no timing luck):
     the previous checkpoint stays the newest complete one, loads, and the run resumes from it."""
-    script = tmp_path / "die.py"
-    script.write_text(textwrap.dedent(KILL_AT_BYTE.format(cut=cut)))
     args = [*FAST, "trainer.runs_dir=runs", "trainer.ckpt_every=4", "logging.plot=false", "-q"]
-    r = subprocess.run(
-        [sys.executable, str(script), *args, "--name", "k"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = tmp_path / "output.txt"
+    proc = forked(
+        _die_in_the_second_checkpoint, cut, str(tmp_path), [*args, "--name", "k"], str(out)
     )
-    assert r.returncode == 137, r.stderr
+    proc.join(timeout=600)
+    assert proc.exitcode == 137, out.read_text() if out.exists() else proc.exitcode
     run = RunLayout(tmp_path / "runs" / "k")
     assert [p.name for p in run.checkpoints()] == ["step_00000004.pt"]
     assert load_checkpoint(run.root)["step"] == 4

@@ -45,16 +45,25 @@ def edited(ckpt: Path, dest: Path, edit) -> Path:
     return dest
 
 
-def cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def cli(cwd: Path, *runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """``ampctl diagnose ARGS`` for each ARGS of ``runs``, all at once (one core each)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SOME_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "ampctl", "diagnose", *args, "--device", "cpu", "-b", "1"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ampctl", "diagnose", *args, "--device", "cpu", "-b", "1"],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in runs
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        for p, (out, err) in zip(procs, outs, strict=True)
+    ]
 
 
 def test_code_targets_are_never_called(ckpt, tmp_path):
@@ -71,8 +80,7 @@ def test_code_targets_are_never_called(ckpt, tmp_path):
         tmp_path / "b" / "rm.pt",
         lambda c: c.update(model={"_target_": "shutil.rmtree", "path": str(victim)}),
     )
-    text = cli(tmp_path, str(cmd))
-    as_json = cli(tmp_path, str(rm), "--json")
+    text, as_json = cli(tmp_path, (str(cmd),), (str(rm), "--json"))
     assert not marker.exists() and victim.is_dir()  # nothing ran
     for res in (text, as_json):
         assert res.returncode == 0, res.stderr  # healthy state; the replay was skipped
@@ -92,8 +100,7 @@ def test_interpolations_are_never_evaluated(ckpt, tmp_path):
         c["model"]["hidden_size"] = "${oc.env:SOME_SECRET}"
 
     path = edited(ckpt, tmp_path / "secret.pt", edit)
-    for args in ((str(path),), (str(path), "--json")):
-        res = cli(tmp_path, *args)
+    for res in cli(tmp_path, (str(path),), (str(path), "--json")):
         assert res.returncode == 0, res.stderr
         assert SECRET not in res.stdout and SECRET not in res.stderr
         assert "interpolation" in res.stdout and "Traceback" not in res.stderr

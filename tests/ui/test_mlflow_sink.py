@@ -156,7 +156,9 @@ def test_mlflow_without_its_sql_store_packages_is_a_one_line_hint(tmp_path):
     runs = tmp_path / "runs"
     code = "import sys; sys.modules['sqlalchemy'] = None; from ampctl.cli import app; app()"
     out = subprocess.run(
-        [sys.executable, "-c", code, *train_args(runs, "logging.mlflow=true", "--name", "sk")],
+        # no plot.png: none is read, and matplotlib costs seconds in a fresh process
+        [sys.executable, "-c", code, *train_args(runs, "logging.mlflow=true", "logging.plot=false")]
+        + ["--name", "sk"],
         capture_output=True,
         text=True,
         timeout=600,

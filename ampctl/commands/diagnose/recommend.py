@@ -17,6 +17,7 @@ functions of the stages' records.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -480,15 +481,9 @@ def fresh_overrides(saved: dict | None) -> list[str] | None:
     one (``+key=`` for a key the default lacks, ``~key`` for one the run dropped; ``name`` left
     out so that the fresh run gets a folder of its own): a fresh start of the same run. Plain
     data only (the saved config is not evaluated). None: no config, or not one of ampctl's."""
-    from ampctl.config import ConfigError, load_config
-
-    if not isinstance(saved, dict):
+    if not isinstance(saved, dict) or _packaged(None) is None:
         return None
-    try:
-        default = _leaves(load_config([]).to_dict())
-    except ConfigError:
-        return None
-    mine = _leaves(saved)
+    default, mine = dict(_packaged(None)), _leaves(saved)
     out = []
     for group in _GROUP_NAMES:  # a group that is mostly another option: that option, then diffs
         choice = _group_choice(group, mine, default)
@@ -517,7 +512,7 @@ def _group_choice(
 ) -> tuple[str, dict[str, object]] | None:
     """The packaged option of ``group`` (``conf/<group>/*.yaml``) closest to the saved config,
     when it is closer than the default, and its leaves."""
-    from ampctl.config import ConfigError, load_config, packaged_conf_dir
+    from ampctl.config import packaged_conf_dir
 
     def diffs(leaves: dict[str, object]) -> int:
         keys = {k for k in (*leaves, *mine) if k.startswith(f"{group}.")}
@@ -527,14 +522,25 @@ def _group_choice(
     if best[0] <= _GROUP_DIFFS:
         return None
     for opt in sorted(p.stem for p in (packaged_conf_dir() / group).glob("*.yaml")):
-        try:
-            leaves = _leaves(load_config([f"{group}={opt}"]).to_dict())
-        except ConfigError:
+        if (leaves := _packaged(f"{group}={opt}")) is None:
             continue
         n = diffs(leaves)
         if n < best[0]:
             best = (n, opt, {k: v for k, v in leaves.items() if k.startswith(f"{group}.")})
     return None if best[1] is None else (best[1], best[2])
+
+
+@functools.cache
+def _packaged(option: str | None) -> dict[str, object] | None:
+    """The leaves of ampctl's default config, with one packaged group option or none (None: it
+    does not compose). A Hydra compose each, the same for every diagnosis: composed once a
+    process (the caller copies before changing it)."""
+    from ampctl.config import ConfigError, load_config
+
+    try:
+        return _leaves(load_config([option] if option else []).to_dict())
+    except ConfigError:
+        return None
 
 
 def resume_command(

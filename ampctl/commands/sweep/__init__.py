@@ -60,50 +60,34 @@ Results record each trial's ``rung`` and ``steps_spent``.
 
 from __future__ import annotations
 
-from .execute import run_sweep, sweep
-from .launchers import LAUNCHERS, LauncherOptions, Outcome, TrialJob
-from .launchers.local import threads_per_trial
-from .plan import DEFAULT_GRID, SweepPlan, Trial, parse_sweep, plan_sweep, rung_budgets
-from .rank import (
-    DIVERGE_GAP,
-    GAP_TIE,
-    STOP_GAP,
-    finalize_rows,
-    live_divergence,
-    merit,
-    rank_key,
-    tie_info,
-)
-from .report import SweepResult, trial_steps
-from .trial import COLUMNS, PieceResult, config_diff, read_trial, trial_row
+import importlib
 
-__all__ = [
-    "COLUMNS",
-    "DEFAULT_GRID",
-    "DIVERGE_GAP",
-    "GAP_TIE",
-    "LAUNCHERS",
-    "STOP_GAP",
-    "LauncherOptions",
-    "Outcome",
-    "PieceResult",
-    "SweepPlan",
-    "SweepResult",
-    "Trial",
-    "TrialJob",
-    "config_diff",
-    "finalize_rows",
-    "live_divergence",
-    "merit",
-    "parse_sweep",
-    "plan_sweep",
-    "rank_key",
-    "read_trial",
-    "rung_budgets",
-    "run_sweep",
-    "sweep",
-    "threads_per_trial",
-    "tie_info",
-    "trial_row",
-    "trial_steps",
-]
+#: The package's names by the module that defines them, each imported when first used (PEP 562):
+#: the trial's runner (``.launchers.process``), run by a Ray worker or a SLURM job, imports no
+#: torch through this package.
+_FROM = {
+    ".execute": ("run_sweep", "sweep"),
+    ".launchers": ("LAUNCHERS", "LauncherOptions", "Outcome", "TrialJob"),
+    ".launchers.local": ("threads_per_trial",),
+    ".plan": ("DEFAULT_GRID", "SweepPlan", "Trial", "parse_sweep", "plan_sweep", "rung_budgets"),
+    ".rank": (
+        "DIVERGE_GAP",
+        "GAP_TIE",
+        "STOP_GAP",
+        "finalize_rows",
+        "live_divergence",
+        "merit",
+        "rank_key",
+        "tie_info",
+    ),
+    ".report": ("SweepResult", "trial_steps"),
+    ".trial": ("COLUMNS", "PieceResult", "config_diff", "read_trial", "trial_row"),
+}
+_WHERE = {name: module for module, names in _FROM.items() for name in names}
+__all__ = sorted(_WHERE, key=str.lower)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name], __name__), name)

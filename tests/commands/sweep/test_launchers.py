@@ -14,6 +14,8 @@ import _thread
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,8 +106,9 @@ def test_local_crash_ctrl_c_and_resume(tmp_path, hold_file, sigint_handled):
     tdir = runs / "s" / "role=hold"
     before = (tdir / "metrics.jsonl").read_text()
     hold_file.unlink()  # the held trial may finish now
-    again, out = run_sweep_here(runs, *args, steps=12, baseline=False, name="s")
-    # the interrupted trial continues from its checkpoint; the dead one runs again from scratch
+    # both at once (nothing is pressed now): the interrupted trial continues from its
+    # checkpoint; the dead one runs again from scratch
+    again, out = run_sweep_here(runs, *args, jobs=2, steps=12, baseline=False, name="s")
     assert again.resumed == ["role=hold"] and again.moved_aside == ["role=die.incomplete-1"]
     rows = {r["trial"]: r for r in again.rows}
     assert rows["role=hold"]["status"] == "ok" and rows["role=hold"]["steps_spent"] == 12
@@ -143,6 +146,20 @@ def test_runner_refuses_a_sweep_folder_it_cannot_see(tmp_path):
         run_trial(job)
     ok = TrialJob(**{**job.__dict__, "sweep_dir": str(tmp_path), "args": ["-c", "exit(3)"]})
     assert run_trial(ok) == Outcome(exit_code=3, node=os.uname().nodename)
+
+
+def test_the_runner_imports_no_torch():
+    """A Ray worker or a SLURM job imports ``run_trial`` to run it: no torch comes with it (the
+    trial's own ``ampctl train`` process imports that)."""
+    code = "import sys, ampctl.commands.sweep.launchers.process; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert (out.returncode, out.stdout) == (0, "False\n"), out.stderr
 
 
 def test_time_limits_and_missing_libraries(monkeypatch, tmp_path):
