@@ -201,6 +201,7 @@ _WS = re.compile(r"[ \t\n\r]*")
 _STRUCT = re.compile(r'["\[\]{}]')
 _IN_STRING = re.compile(r'["\\]')
 _SCALAR = re.compile(r"[^,\]}\s]*")
+_SCALAR_STARTS = "-0123456789tfnNI"  # numbers, true, false, null and Python's NaN, Infinity
 
 
 class _Chars:
@@ -263,7 +264,11 @@ class _Chars:
         """The next JSON value: ``(True, value)``, or ``(False, why)`` for one longer than
         ``limit`` characters or nested too deeply (skipped, never held whole). Raises
         :class:`_Invalid` for text that is not JSON."""
-        if self.peek() not in '[{"':  # a scalar: read on until what ends it is in the buffer
+        first = self.peek()
+        if first not in '[{"' and first not in _SCALAR_STARTS:
+            # no JSON value starts so: not JSON here, however much follows (never read on)
+            raise _Invalid(f"a value expected at {self.where()}")
+        if first not in '[{"':  # a scalar: read on until what ends it is in the buffer
             while _SCALAR.match(self.s, self.pos).end() >= len(self.s) and self.more():
                 if len(self.s) - self.pos > limit:
                     self.skip()

@@ -201,9 +201,10 @@ def test_a_non_number_in_a_summary_is_drawn_as_text(tmp_path):
 
 def test_a_3gb_sweep_results_json_is_streamed_not_refused_for_its_size(tmp_path):
     """results.json is streamed a trial at a time (no whole-file cap): a 3 GB one (sparse here:
-    a valid start, then zeros) is read up to where it stops being JSON, and that is the one
-    line (exit 2), with memory of a chunk, not the file (it was a MemoryError, then a refusal
-    for its size)."""
+    a valid start, then zeros) is read up to where it stops being JSON (the first zero byte: no
+    value starts so, and nothing after it is read), and that is the one line (exit 2), with
+    memory of a chunk, not the file (it was a MemoryError, then a refusal for its size, then a
+    read of all 3 GB as one long scalar)."""
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     path = sweep / "results.json"
@@ -212,9 +213,11 @@ def test_a_3gb_sweep_results_json_is_streamed_not_refused_for_its_size(tmp_path)
         f.write(b'{"trials": [' + trial.encode() + b", ")
         f.write(b" " * (1 << 17))  # past the first chunk: the text is JSON so far
         f.truncate(3 << 30)
+    runner.invoke(app, ["plot", str(sweep)])  # the modules plot imports, before the count
     res, peak = peak_of(lambda: runner.invoke(app, ["plot", str(sweep)]))
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and "limit" not in res.output
+    assert "a value expected at character 131" in res.output, res.output
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith(f"ampctl: error: {str(path)!r}: is not valid JSON (")
     assert peak < 8 << 20, peak
