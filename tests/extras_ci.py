@@ -1,6 +1,8 @@
 """The two passes of ``.ci/run``: README's test command with only ``[test]`` installed, then the
 tests that need an optional extra, once the extras are installed. Hooks imported by
-``tests/conftest.py``; without the two environment variables below they do nothing.
+``tests/conftest.py``; without the two environment variables below they do nothing. Under
+pytest-xdist each worker deselects its own items and the controller, which receives every
+report, records and judges the skips.
 
 - ``AMPCTL_RECORD_IMPORT_SKIPS=PATH`` (pass 1): every test -- or test module -- that skipped
   because an import failed (``pytest.importorskip``: "could not import ...") is written to PATH,
@@ -53,6 +55,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: its reports reach the controller, which writes and judges
     found = sorted(set(_skipped))
     if os.environ.get(RECORD):
         Path(os.environ[RECORD]).write_text("".join(f"{n}\n" for n in found))

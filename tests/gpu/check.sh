@@ -114,7 +114,7 @@ if ! "$PY" -c "import ampctl.config" 2>/dev/null; then
 fi
 
 step "pytest tests/gpu" 240 "$OUT/pytest.log" \
-    "$PY" -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider
+    "$PY" -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider -o addopts=  # in this process (no xdist)
 
 # stdout (the JSON) goes to its file; the progress lines (stderr) to the log
 step "ampctl bench conf=bert_large" 330 "$OUT/bench_bert_large.log" \
