@@ -1,8 +1,7 @@
 """Tests of the numeric core (ampctl/amp/), one thread: tiny tensors gain nothing from two.
 
-The unit files (test_*_unit.py, test_guard_rules.py, test_overflow.py, precision/test_base.py,
-precision/test_fp16_pure.py) are also what ``scripts/mutation.sh`` runs per mutant (the list is
-in pyproject.toml), so each of their tests must stay fast.
+Most of these files are also what ``scripts/mutation.sh`` runs per mutant (the list, and the slow
+tests it leaves out, is in pyproject.toml), so each of their tests must stay fast.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Checkpoint files: atomic writes under planted failures, weights_only loads, clear refusals."""
+"""Checkpoint files (ampctl.train.checkpoint): atomic writes under planted failures, weights_only
+loads, clear refusals; and the CUDA RNG state in a checkpoint, with torch.cuda's calls planted
+(issue #31: mutants that a CPU-only run left alive).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 
 from ampctl import files
 from ampctl.runlog import RunLayout
+from ampctl.train import checkpoint as ck
 from ampctl.train.checkpoint import (
     FORMAT,
     CheckpointError,
@@ -312,3 +316,57 @@ def test_load_refuses_a_checkpoint_larger_than_the_memory_allowed_before_reading
         f"{str(path)!r} ({human_size(total)} of tensors) needs about {human_size(total)} of "
         f"memory, more than the {human_size(16)} allowed (--max-memory): nothing was allocated"
     )  # a checkpoint the loop resumes from: no --max-memory hint of its own
+
+
+# =============================================== the CUDA RNG state, torch.cuda planted (issue #31)
+CUDA_STATE = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+
+
+def _cuda(monkeypatch, *, available: bool, initialized: bool) -> list:
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: CUDA_STATE)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", calls.append)
+    return calls
+
+
+def test_rng_state_holds_the_cuda_generators_once_cuda_is_initialized(monkeypatch):
+    _cuda(monkeypatch, available=True, initialized=True)
+    state = rng_state()
+    assert set(state) == {"torch", "python", "cuda"}
+    assert state["cuda"] is CUDA_STATE
+
+
+def test_rng_state_leaves_cuda_alone_until_it_is_initialized(monkeypatch):
+    _cuda(monkeypatch, available=True, initialized=False)
+    assert set(rng_state()) == {"torch", "python"}
+    _cuda(monkeypatch, available=False, initialized=True)
+    assert set(rng_state()) == {"torch", "python"}
+
+
+def test_set_rng_state_restores_the_cuda_generators_when_cuda_is_there(monkeypatch):
+    calls = _cuda(monkeypatch, available=True, initialized=True)
+    set_rng_state({"torch": torch.get_rng_state(), "cuda": CUDA_STATE})
+    assert calls == [CUDA_STATE]
+
+
+def test_set_rng_state_skips_the_cuda_generators_without_cuda_or_without_a_state(monkeypatch):
+    calls = _cuda(monkeypatch, available=False, initialized=False)
+    set_rng_state({"torch": torch.get_rng_state(), "cuda": CUDA_STATE})
+    assert calls == []
+    calls = _cuda(monkeypatch, available=True, initialized=True)
+    set_rng_state({"torch": torch.get_rng_state()})
+    assert calls == []
+
+
+def test_pruning_tolerates_an_old_checkpoint_that_vanished_meanwhile(tmp_path, monkeypatch):
+    # another process removed an old checkpoint between the listing and the pruning
+    run = RunLayout(tmp_path / "r")
+    save_checkpoint(run, 1, {"x": 1})
+    listed = ck.list_checkpoints
+    gone = run.checkpoint(0)
+    monkeypatch.setattr(ck, "list_checkpoints", lambda d: [gone, *listed(d)])
+    path = save_checkpoint(run, 2, {"x": 2}, keep_last=1)
+    assert listed(run.checkpoints_dir) == [path]
+    assert not gone.exists()

@@ -22,7 +22,6 @@ from ampctl.runlog import RunLayout
 from ampctl.trust import ResourceRefused
 from ampctl.trust_counts import check_counts
 from ampctl.trust_paths import SavedPathRefused, check_saved_paths
-from tests.conftest import FAST
 
 runner = CliRunner()
 
@@ -134,17 +133,6 @@ def test_layer_counts_are_capped_by_the_tensors_before_a_build():
 
 
 # ---------------------------------------------------------------------------- train --resume
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("paths")
-    args = [*FAST, "trainer.max_steps=4", "trainer.ckpt_every=4", "trainer.log_every=2"]
-    r = runner.invoke(
-        app,
-        ["train", *args, "logging.plot=false", f"trainer.runs_dir={root}", "--name", "b", "-q"],
-        catch_exceptions=False,
-    )
-    assert r.exit_code == 0, r.output
-    return root / "b"
 
 
 @pytest.fixture

@@ -31,20 +31,6 @@ VICTIM = b"precious bytes outside the run\n"
 DATA = Path(__file__).resolve().parents[1] / "commands" / "diagnose" / "data"
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A real run folder: 4 steps of the tiny model, a checkpoint at step 4, no plot."""
-    root = tmp_path_factory.mktemp("writes")
-    args = [*FAST, "trainer.max_steps=4", "trainer.ckpt_every=4", "trainer.log_every=2"]
-    r = runner.invoke(
-        app,
-        ["train", *args, "logging.plot=false", f"trainer.runs_dir={root}", "--name", "b", "-q"],
-        catch_exceptions=False,
-    )
-    assert r.exit_code == 0, r.output
-    return root / "b"
-
-
 @pytest.fixture
 def run(base_run, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

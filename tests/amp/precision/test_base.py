@@ -1,4 +1,7 @@
-"""The precision plugin interface and the factory: fp32 modules, casts, hooks, state, errors."""
+"""The precision plugin interface (ampctl.amp.precision.base, and the plugins that only set its
+class attributes: fp32, bf16, fp16): fp32 modules, casts, hooks, state, errors; the plugin's
+defaults and the CUDA bf16 check (issue #31: mutants the plugin tests left alive).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.amp.checks import FieldError
 from ampctl.amp.precision import (
     BF16Precision,
     FP16Precision,
-    FP16PurePrecision,
     FP32Precision,
-    PrecisionConfig,
-    PrecisionPolicy,
     make_precision,
 )
 from ampctl.amp.precision.base import (
@@ -236,44 +235,6 @@ def test_optimizer_step_with_a_fused_optimizer_reads_nothing():
     assert p.optimizer_step(opt) is None
 
 
-# ------------------------------------------------------------------ factory and config
-@pytest.mark.parametrize(
-    "name, cls",
-    [("fp32", FP32Precision), ("bf16", BF16Precision), ("fp16-pure", FP16PurePrecision)],
-)
-def test_make_precision_builds_the_plugin_with_its_scaler(name, cls):
-    p = make_precision(name, fp32_modules=["x"], device_type="cpu", scaler_args={"init_scale": 8})
-    assert type(p) is cls and p.fp32_modules == ["x"] and p.device_type == "cpu"
-    assert p.scaler.is_enabled() is cls.needs_scaler
-    assert p.scaler.get_scale() == (8.0 if cls.needs_scaler else 1.0)
-    assert make_precision(name).scaler.get_scale() == (2.0**16 if cls.needs_scaler else 1.0)
-    own = LossScaler()
-    assert make_precision(name, scaler=own).scaler is own
-
-
-def test_make_precision_refuses_an_unknown_name():
-    with pytest.raises(ValueError) as e:
-        make_precision("fp12")
-    assert str(e.value) == "precision: 'fp12' is not one of fp32, bf16, fp16, fp16-pure, fp8"
-
-
-def test_precision_policy_is_make_precision():
-    p = PrecisionPolicy(name="bf16", fp32_modules=["a"], device_type="cuda")
-    assert type(p) is BF16Precision and p.fp32_modules == ["a"] and p.device_type == "cuda"
-    assert PrecisionPolicy().device_type == "cpu"
-    assert type(PrecisionPolicy()) is FP16Precision
-
-
-def test_precision_config_names_the_allowed_precisions():
-    assert PrecisionConfig(name="bf16").name == "bf16"
-    with pytest.raises(FieldError) as e:
-        PrecisionConfig(name="fp12")
-    assert str(e.value) == (
-        "PrecisionConfig: name='fp12' is not allowed: name must be one of fp32, bf16, fp16, "
-        "fp16-pure, fp8 (select with precision=NAME)"
-    )
-
-
 def test_a_checkpoint_of_ampctl_0_2_names_its_fp32_modules_under_the_old_key():
     from ampctl.amp.precision import saved_in_fp32
 
@@ -284,3 +245,29 @@ def test_a_checkpoint_of_ampctl_0_2_names_its_fp32_modules_under_the_old_key():
     assert saved_in_fp32(p.state_dict()) == ["emb"]
     assert saved_in_fp32({"name": "fp16", "exempted": ["emb", "body"]}) == ["emb", "body"]
     assert saved_in_fp32({"name": "fp16"}) == []
+
+
+# ===================================================== defaults and the CUDA bf16 check (issue #31)
+def test_a_plugin_built_directly_has_empty_options():
+    assert FP32Precision().options == {}
+
+
+def test_the_base_plugin_demotes_nothing():
+    p = make_precision("fp32")
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert p.demote(model, "0", "why") is False
+    assert p.demotable(model) == []
+    assert isinstance(model[0], nn.Linear)
+
+
+def test_bf16_on_cuda_needs_a_cuda_device_that_supports_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert bf16_supported("cuda") is True
+    assert bf16_supported(torch.device("cuda", 0)) is True
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert bf16_supported("cuda") is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert bf16_supported("cuda") is False
+    assert bf16_supported("cpu") is True

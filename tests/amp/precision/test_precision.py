@@ -1,4 +1,8 @@
-"""make_precision: autocast dtypes, fp32 modules, fp16-pure master weights, attribution."""
+"""The precision package's factory and config (ampctl.amp.precision): make_precision (autocast
+dtypes, fp32 modules, fp16-pure master weights, attribution), the plugin and scaler it builds,
+the PrecisionPolicy alias, and ``precision.*`` (PrecisionConfig): the checks that run before
+anything is built, word for word, and what it hands to the plugin.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,16 @@ import torch
 from torch import nn
 
 from ampctl.amp import LossScaler, Precision, make_precision, match_modules, nonfinite_grad_names
+from ampctl.amp.checks import FieldError
+from ampctl.amp.fp8 import DEFAULT_EXCLUDE
+from ampctl.amp.precision import (
+    BF16Precision,
+    FP16Precision,
+    FP16PurePrecision,
+    FP32Precision,
+    PrecisionConfig,
+    PrecisionPolicy,
+)
 
 
 class Block(nn.Module):
@@ -148,3 +162,92 @@ def test_attribution_names_only_the_bad_parameters():
     model.head.bias.grad[1] = float("-inf")
     assert nonfinite_grad_names(model) == ["dense.weight", "head.bias"]
     assert nonfinite_grad_names(model, limit=1) == ["dense.weight"]
+
+
+# ------------------------------------------------------------------ the plugin it builds
+@pytest.mark.parametrize(
+    "name, cls",
+    [("fp32", FP32Precision), ("bf16", BF16Precision), ("fp16-pure", FP16PurePrecision)],
+)
+def test_make_precision_builds_the_plugin_with_its_scaler(name, cls):
+    p = make_precision(name, fp32_modules=["x"], device_type="cpu", scaler_args={"init_scale": 8})
+    assert type(p) is cls and p.fp32_modules == ["x"] and p.device_type == "cpu"
+    assert p.scaler.is_enabled() is cls.needs_scaler
+    assert p.scaler.get_scale() == (8.0 if cls.needs_scaler else 1.0)
+    assert make_precision(name).scaler.get_scale() == (2.0**16 if cls.needs_scaler else 1.0)
+    own = LossScaler()
+    assert make_precision(name, scaler=own).scaler is own
+
+
+def test_make_precision_refuses_an_unknown_name():
+    with pytest.raises(ValueError) as e:
+        make_precision("fp12")
+    assert str(e.value) == "precision: 'fp12' is not one of fp32, bf16, fp16, fp16-pure, fp8"
+
+
+def test_precision_policy_is_make_precision():
+    p = PrecisionPolicy(name="bf16", fp32_modules=["a"], device_type="cuda")
+    assert type(p) is BF16Precision and p.fp32_modules == ["a"] and p.device_type == "cuda"
+    assert PrecisionPolicy().device_type == "cpu"
+    assert type(PrecisionPolicy()) is FP16Precision
+
+
+def test_precision_config_names_the_allowed_precisions():
+    assert PrecisionConfig(name="bf16").name == "bf16"
+    with pytest.raises(FieldError) as e:
+        PrecisionConfig(name="fp12")
+    assert str(e.value) == (
+        "PrecisionConfig: name='fp12' is not allowed: name must be one of fp32, bf16, fp16, "
+        "fp16-pure, fp8 (select with precision=NAME)"
+    )
+
+
+def test_the_policy_alias_keeps_the_options_for_a_fallback():
+    p = PrecisionPolicy(name="fp16", options={"recipe": "rowwise", "exclude": ["head"]})
+    assert p.options == {"recipe": "rowwise", "exclude": ["head"]}
+
+
+# ------------------------------------------------------------------ PrecisionConfig
+def test_precision_config_defaults_and_its_options():
+    c = PrecisionConfig()
+    assert (c.name, c.fp32_modules, c.fp8_recipe) == ("fp16", [], "tensorwise")
+    assert c.fp8_exclude == list(DEFAULT_EXCLUDE) and type(c.fp8_exclude) is list
+    assert PrecisionConfig().fp8_exclude is not c.fp8_exclude
+    c = PrecisionConfig(name="fp8", fp8_recipe="rowwise", fp8_exclude=("*head*",))
+    assert c.fp8_exclude == ["*head*"] and type(c.fp8_exclude) is list
+    opts = c.options()
+    assert opts == {"recipe": "rowwise", "exclude": ["*head*"]}
+    opts["exclude"].append("x")
+    assert c.fp8_exclude == ["*head*"]  # a copy
+    assert PrecisionConfig(fp8_exclude=[]).options() == {"recipe": "tensorwise", "exclude": []}
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            {"fp8_recipe": "delayed"},
+            "PrecisionConfig: fp8_recipe='delayed' is not allowed: fp8_recipe must be one of "
+            "tensorwise, rowwise",
+        ),
+        (
+            {"fp8_exclude": ["ok", ""]},
+            "PrecisionConfig: fp8_exclude=['ok', ''] is not allowed: fp8_exclude must be a list of "
+            "non-empty fnmatch patterns over module names, e.g. ['*lm_head*']",
+        ),
+        (
+            {"fp8_exclude": [3]},
+            "PrecisionConfig: fp8_exclude=[3] is not allowed: fp8_exclude must be a list of "
+            "non-empty fnmatch patterns over module names, e.g. ['*lm_head*']",
+        ),
+        (
+            {"name": "fp4"},
+            "PrecisionConfig: name='fp4' is not allowed: name must be one of fp32, bf16, fp16, "
+            "fp16-pure, fp8 (select with precision=NAME)",
+        ),
+    ],
+)
+def test_precision_config_refuses_a_bad_value_in_one_line(kw, message):
+    with pytest.raises(FieldError) as e:
+        PrecisionConfig(**kw)
+    assert str(e.value) == message

@@ -1,4 +1,6 @@
-"""Checkpoints of every format, written once per session by the real libraries (see makers)."""
+"""Checkpoints of every format, written once per session by the real libraries (see makers); the
+diagnose command run in-process; and the planted numbers the course's and the verdict's tests
+build (logged rows, a history, a departure)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from ampctl.cli import app
+from ampctl.commands.diagnose.course import Departure
+from ampctl.commands.diagnose.stages import GuardEvent, History, Row
 
 from . import makers
 
@@ -68,3 +72,40 @@ def corpus(tmp_path_factory):
     from .corpus.cases import Corpus
 
     return Corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def rows(losses, start=1, lr=None) -> list[Row]:
+    """Logged rows of these losses from step ``start`` (and these learning rates)."""
+    return [
+        Row(step=start + i, loss=v, learning_rate=None if lr is None else lr[i])
+        for i, v in enumerate(losses)
+    ]
+
+
+def history(losses=(), skipped=(), events=(), scale=(), start=1, lr=None) -> History:
+    """A run folder's history: rows of ``losses``, the ``skipped`` steps, guard ``events`` as
+    ``(step, kind)`` or ``(step, kind, data)``, the ``scale`` trajectory as ``(step, scale)``."""
+    return History(
+        source="run folder",
+        rows=rows(list(losses), start=start, lr=lr),
+        skipped_steps=list(skipped),
+        scale_trajectory=[list(x) for x in scale],
+        guard_events=[GuardEvent(e[0], e[1], "", dict(e[2]) if len(e) > 2 else {}) for e in events],
+    )
+
+
+def dep(**kw) -> Departure:
+    """A departure of the loss from its course: these fields over a default one."""
+    base = dict(
+        step=10,
+        last_good_step=8,
+        loss=3.0,
+        min_loss=2.0,
+        min_step=5,
+        first_loss=4.0,
+        peak=3.5,
+        peak_step=11,
+        resolved_at=None,
+        never_improved=False,
+    )
+    return Departure(**(base | kw))

@@ -651,6 +651,20 @@ def test_bad_options_exit_2(base_run):
         assert res.stderr.strip() == f"ampctl: error: {text}"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/no/such/ckpt"], "'/no/such/ckpt' does not exist: give a checkpoint file or folder"),
+        (["--batches", "0", "."], "--batches 0: must be an integer >= 1"),
+    ],
+)
+def test_json_is_printed_on_bad_input_too(args, message):
+    res = CliRunner().invoke(app, ["diagnose", *args, "--json"])
+    assert res.exit_code == 2
+    assert json.loads(res.stdout) == {"error": message}
+    assert res.stderr == f"ampctl: error: {message}\n"
+
+
 def test_a_target_that_does_not_ship_needs_trust_code(base_run):
     """The test model is not ampctl's: without consent the state is still checked, the replay
     is skipped with one line naming the target and the flag."""

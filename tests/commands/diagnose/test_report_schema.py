@@ -1,7 +1,8 @@
 """The report's schema, as :mod:`ampctl.commands.diagnose.report`'s docstring writes it, and the
 report as the code writes it cannot drift apart: every object the docstring lists has exactly the
-keys of the record (:mod:`.stages`) that writes it, every record is listed somewhere, and every key
-of real ``--json`` reports is documented where it stands."""
+keys of the record (:mod:`.stages`) that writes it, every record is listed somewhere, every key
+of real ``--json`` reports is documented where it stands, and a record is written as its fields.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import pytest
 
 from ampctl.commands.diagnose import report, stages
 from ampctl.commands.diagnose.readers.base import FileNote
+from ampctl.commands.diagnose.stages import (
+    INTERNAL,
+    OPTIONAL,
+    Problem,
+    Replay,
+    to_json,
+)
 
 from .conftest import diagnose_cli
 
@@ -135,3 +143,19 @@ def test_every_key_of_a_real_report_is_documented(corpus, case):
         if path not in open_ and k not in (bad_tensor if path[-1:] == ("bad",) else doc[path])
     }
     assert missing == set()
+
+
+def test_records_are_written_as_their_fields():
+    from dataclasses import dataclass
+
+    @dataclass
+    class R:
+        a: int
+        b: int | None = OPTIONAL()
+        c: list = INTERNAL()
+
+    assert to_json(R(1)) == {"a": 1} and to_json(R(1, 2, [3])) == {"a": 1, "b": 2}
+    skipped = Replay(ran=False, reason="why", precision="fp16", device="cpu")
+    assert to_json(skipped) == {"ran": False, "reason": "why", "precision": "fp16", "device": "cpu"}
+    p = Problem("k", "m", step=3)
+    assert to_json(p) == {"kind": "k", "severity": "error", "message": "m", "step": 3}

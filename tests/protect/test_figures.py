@@ -1,6 +1,9 @@
 """The log step's figures (ampctl.protect.figures): the interval's loss on the device, every value
 read in one transfer, the SUM and MAX reductions across ranks applied to exactly the values that
-need them, and the names the metrics row reads -- on planted records and hand-made tensors."""
+need them, and the names the metrics row reads -- on planted records and hand-made tensors; and
+the log window's course loss at its boundary: a window that began at the scaler's last update has
+no step of its own yet, so it has no course (mutation survivors of issue #31).
+"""
 
 from __future__ import annotations
 
@@ -314,3 +317,13 @@ def test_the_course_loss_leaves_out_the_spikes_the_rule_skipped():
     assert (course[0].item(), course[1].item()) == (9.0, 3.0)
     window.add(torch.tensor(1.0))  # losses handed over: no record of which step was a spike
     assert window.course_loss(scaler_with(rows)) is None
+
+
+# ====================================================== the course loss at its boundary (issue #31)
+def test_a_window_that_began_at_the_last_update_has_no_course_loss_yet():
+    scaler = scaler_with([row(loss=2.0), row(loss=3.0)])
+    assert scaler.num_updates == 2
+    assert LogWindow(first_update=2).course_loss(scaler) is None
+    assert LogWindow(first_update=2).loss(scaler) == (0.0, 0.0)
+    course = LogWindow(first_update=1).course_loss(scaler)  # one step since: update 2
+    assert (course[0].item(), course[1].item()) == (3.0, 1.0)

@@ -1,7 +1,10 @@
 """The verdict (verdict.py) on planted courses, histories and checkpoints: how much to lower the
-lr and why, the problems a run's course shows and their texts, the cause of a collapsed scale,
-the order of the causes, the resume point, the story of the run in words, and the verdict
-itself (broken, recovered, healthy). Pure functions: milliseconds."""
+lr and why (from the history, never a fixed factor), the problems a run's course shows and their
+texts, the cause of a collapsed scale, the order of the causes, the resume point, the story of the
+run in words, and the verdict itself (broken, recovered, healthy): isolated skipped steps and
+skipped spikes on a clean course are a healthy run's notes, every one of them, recovered takes an
+intervention (#36, docs/diagnose.md). Pure functions: milliseconds.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,11 @@ import math
 import pytest
 
 from ampctl.commands.diagnose import verdict as V
-from ampctl.commands.diagnose.course import CheckpointFacts, Course, Departure
+from ampctl.commands.diagnose.course import (
+    CheckpointFacts,
+    Course,
+    run_course,
+)
 from ampctl.commands.diagnose.stages import (
     Aborted,
     Burst,
@@ -21,11 +28,12 @@ from ampctl.commands.diagnose.stages import (
     History,
     Problem,
     Replay,
+    Row,
     ScalerState,
 )
 from ampctl.commands.diagnose.verdict import history_problems, judge, lr_change, params_in
 
-from .test_course_unit import rows
+from .conftest import dep, history, rows
 
 INF, NAN = math.inf, math.nan
 
@@ -36,22 +44,6 @@ def ev(step, kind, message="", **data):
 
 def hist(r=(), events=(), **kw):
     return History(source="run folder", rows=list(r), guard_events=list(events), **kw)
-
-
-def dep(**kw) -> Departure:
-    base = dict(
-        step=10,
-        last_good_step=8,
-        loss=3.0,
-        min_loss=2.0,
-        min_step=5,
-        first_loss=4.0,
-        peak=3.5,
-        peak_step=11,
-        resolved_at=None,
-        never_improved=False,
-    )
-    return Departure(**(base | kw))
 
 
 def course(d=None, *eps, first_bad=None):
@@ -1008,3 +1000,191 @@ def test_judge_hands_its_parts_what_they_need():
         lr=None,
     )
     assert "a single loss of 1e+21 at step 11 (one batch" in j.problems[0].message
+
+
+# ======================================================= the lr and the verdict from a run's course
+# ---------------------------------------------------------------------------- the lr
+def test_the_lr_comes_from_the_history_not_a_factor():
+    # the loss rose at the first updates, no lr logged: the configured one is too high, and
+    # nothing below it is known (an unchecked ladder for the probe)
+    course = run_course(history([3.9, 8.0, 9.0, 8.5, 9.5]), None, [])
+    ch = lr_change(course, None, 1.0)
+    assert ch.lr == 0.5 and not ch.known and ch.ladder[0] == 0.5
+    # the loss fell while a warmup raised the lr, and rose once the lr passed 0.1 (where it
+    # last fell): that lr
+    lr = [0.025 * (i + 1) for i in range(12)]
+    losses = [4.0, 3.8, 3.6, 3.4, 3.6, 5.0, 6.0, 7.0, 7.5, 8.0, 8.0, 8.0]
+    h = history(losses, lr=lr)
+    course = run_course(h, None, [])
+    ch = lr_change(course, h, 0.3)
+    assert course.departure.lr_at_min == 0.125 and course.departure.lr_at_step == 0.2
+    assert ch.known and ch.lr == pytest.approx(0.1) and "last fell at step 4" in ch.why
+    # the loss rose from its first row while a warmup raised the lr: no lr is known to have
+    # worked; below the first bad row's lr: the lr of the first update, not known to hold
+    h = history([4.0, 4.6, 5.0, 5.4, 5.5, 5.6, 5.6], lr=[0.075, 0.15, 0.225, 0.3, 0.3, 0.29, 0.28])
+    course = run_course(h, None, [])
+    ch = lr_change(course, h, 0.3)
+    assert course.departure.never_improved and course.departure.lr_rose
+    assert not ch.known and ch.lr < 0.15
+    # the guard's divergence rule rolled back and cut it: the cut lr
+    h = history([3.0] * 10, events=[(30, "divergence", {"action": "rollback", "lr_factor": 0.5})])
+    assert lr_change(run_course(h, None, []), h, 1e-3).lr == pytest.approx(5e-4)
+
+
+def test_the_guards_divergence_events_give_the_lr_the_run_worked_at():
+    # it stopped the run after the lr jumped 300x: back to the lr the loss last fell at
+    losses = [4.2, 4.1, 4.0, 3.9, 3.95, 11.3]
+    lr = [1e-3] * 4 + [0.3, 0.3]
+    stop = (6, "divergence", {"action": "stop", "since": 4})
+    h = history(losses, events=[stop], lr=lr)
+    course = run_course(h, None, [])
+    assert course.departure is None  # one high row: the rule fired before a level could move
+    ch = lr_change(course, h, 0.3)
+    assert ch.lr == pytest.approx(1e-3) and ch.known and "last fell at step 4" in ch.why
+    # ... the same at one lr: nothing below it is known, a ladder below it (not known)
+    h = history(losses, events=[stop], lr=[1e-3] * 6)
+    ch = lr_change(run_course(h, None, []), h, 1e-3)
+    assert not ch.known and ch.lr < 1e-3
+    # it rolled back and cut the lr, and the run went on clean: the lr it went on at
+    back = (4, "divergence", {"action": "rollback", "lr_factor": 0.5, "to_step": 4, "from_step": 6})
+    h = history([4.2, 4.1, 4.0, 3.9, 3.8, 3.7, 3.6, 3.5], events=[back], lr=[1e-3] * 6 + [5e-4] * 2)
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=0.3)
+    assert j.lr.lr == pytest.approx(5e-4) and "went on clean at lr 0.0005" in j.lr.why
+    assert j.verdict.summary == (
+        "recovered: the loss diverged at step 6: rolled back to 4, lr x0.5, clean since"
+    )
+    # the rule held against the run's first loss (#27): its min_loss is that loss, said so
+    msg = (
+        "the loss diverged: ... 5.2x the loss the run started from (4.16, before its first update)"
+    )
+    ev = GuardEvent(6, "divergence", msg, {"action": "stop", "ratio": 5.2, "min_loss": 4.16})
+    h = History(source="run folder", rows=rows([4.2, 9.0, 21.0]), guard_events=[ev])
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=1.0)
+    assert j.verdict.events[-1] == (
+        "the loss diverged at step 6 (5.2x the loss it started from, 4.16): the guard stopped the run"
+    )
+
+
+# ---------------------------------------------------------------------------- the verdict
+def test_the_cause_comes_first_and_the_resume_point_is_before_the_trouble():
+    losses = [3.9, 8.0, 9.0, 8.5, 9.5, 9.0, 9.2, 9.1]
+    h = history(losses, skipped=range(5, 9))
+    cks = [
+        CheckpointFacts("c8", 8, ["scale_collapsed"], scale=0.5, applied=4),
+        CheckpointFacts("c4", 4, [], scale=65536.0, applied=4),
+        CheckpointFacts("c2", 2, [], scale=65536.0, applied=2),
+    ]
+    j = judge(
+        own=cks[0],
+        siblings=cks[1:],
+        problems=[Problem("scale_collapsed", "the GradScaler scale fell to 0.5 (below 1)")],
+        h=h,
+        scaler=None,
+        rep=None,
+        lr=0.1,
+    )
+    assert [p.kind for p in j.problems] == ["lr_divergence", "scale_collapsed"]
+    assert j.verdict.status == "broken" and j.verdict.kind == "lr_divergence"
+    assert j.verdict.first_bad_step == 1 and j.resume is None  # the loss rose at step 2
+    assert [c.after_trouble for c in j.checkpoints] == [None, True, True]
+    assert "cause: persistent overflow" in j.problems[1].message
+
+
+def test_a_rollback_that_cured_the_storm_is_recovered():
+    h = history(
+        [3.0 - 0.01 * i for i in range(40)],
+        skipped=[21, 22, 23],
+        events=[
+            (21, "overflow", {"params": ["w"]}),
+            (22, "overflow", {"params": ["w"]}),
+            (23, "overflow", {"params": ["w"]}),
+            (20, "rollback", {"to_step": 20, "from_step": 23}),
+        ],
+    )
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=None)
+    assert j.problems == [] and j.verdict.status == "recovered"
+    assert j.verdict.summary == (
+        "recovered: 3 overflows at 21–23 (non-finite gradients in w), rolled back to 20, clean since"
+    )
+
+
+# ======================================================================= healthy vs recovered (#36)
+def _hist(events, skipped=()):
+    rows = [Row(step=10 * (i + 1), loss=5.0 - 0.01 * i, learning_rate=3e-3) for i in range(30)]
+    return History(
+        source="run folder",
+        rows=rows,
+        guard_events=[GuardEvent(s, k, "", dict(d)) for s, k, d in events],
+        skipped_steps=list(skipped),
+    )
+
+
+def test_the_default_run_s_skipped_spikes_and_its_overflow_are_healthy_notes():
+    # the issue's default run: two spikes skipped (138, 207) and one overflow (281), clean
+    h = _hist(
+        [(138, "spike", {}), (207, "spike", {}), (281, "overflow", {"params": ["w"]})],
+        skipped=[138, 207, 281],
+    )
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=3e-3)
+    v = j.verdict
+    assert v.status == "healthy" and j.problems == []
+    assert "2 spikes skipped at 138, 207" in v.summary
+    assert "281" in v.summary  # the overflow is a note too
+    assert not v.summary.startswith("recovered")
+
+
+def test_an_intervention_makes_it_recovered():
+    h = _hist([(138, "spike", {}), (200, "rollback", {"to_step": 190, "from_step": 203})])
+    j = judge(own=None, siblings=[], problems=[], h=h, scaler=None, rep=None, lr=3e-3)
+    assert j.verdict.status == "recovered" and "rolled back to 190" in j.verdict.summary
+    assert run_course(h, None, []).departure is None
+
+
+# ---------------------------------------------------------------------------- resume points
+def test_exploded_but_finite_weights_move_the_resume_point_before_them():
+    """The issue's FSDP2 case without its history: the checkpoint at 15 had weights ~1e4x the
+    first's (loss ~1e5, still finite): the resume point is the one before, never 15 or 19."""
+    from ampctl.commands.diagnose.course import CheckpointFacts
+
+    facts = [
+        CheckpointFacts("c19", 19, [], weight_amax=3e4),
+        CheckpointFacts("c15", 15, [], weight_amax=2e4),
+        CheckpointFacts("c10", 10, [], weight_amax=2.1),
+        CheckpointFacts("c5", 5, [], weight_amax=1.2),
+    ]
+    j = judge(own=facts[0], siblings=facts[1:], problems=[], h=None, scaler=None, rep=None, lr=1.0)
+    assert j.verdict.first_bad_step == 11 and j.resume == "c10"
+    assert j.problems[0].kind == "extreme_weights" and "exploded after step 10" in (
+        j.problems[0].message
+    )
+    after = {c.path for c in j.checkpoints if c.after_trouble}
+    assert after == {"c19", "c15"}
+    # weights that grew as training grows them (a few times): no trouble, the newest
+    healthy = [CheckpointFacts(f"c{s}", s, [], weight_amax=a) for s, a in ((19, 6.0), (5, 1.2))]
+    j = judge(own=healthy[0], siblings=healthy[1:], problems=[], h=None, scaler=None, rep=None,
+              lr=1.0)  # fmt: skip
+    assert j.verdict.status == "healthy" and j.resume == "c19"
+
+
+def test_with_a_history_exploded_weights_still_move_the_resume_point_before_them():
+    """The FSDP2 case with a sparse history: the loss logged every 5 steps looked flat until the
+    NaN at 19, but the checkpoint at 15 holds weights 1e4x step 5's: resume from 10, not 15."""
+    from ampctl.commands.diagnose.course import CheckpointFacts
+
+    rows = [Row(step=s, loss=2.0, learning_rate=1.0) for s in (5, 10, 15)]
+    rows.append(Row(step=19, loss=float("nan"), learning_rate=1.0))
+    h = History(source="tb", rows=rows)
+    facts = [
+        CheckpointFacts("c19", 19, ["nonfinite_weights"], weight_amax=float("nan")),
+        CheckpointFacts("c15", 15, [], weight_amax=2e4),
+        CheckpointFacts("c10", 10, [], weight_amax=2.1),
+        CheckpointFacts("c5", 5, [], weight_amax=1.2),
+    ]
+    j = judge(own=facts[0], siblings=facts[1:], problems=[], h=h, scaler=None, rep=None, lr=1.0)
+    assert j.verdict.first_bad_step == 11 and j.resume == "c10"
+    # a run that came back from the growth (a clean course, nothing wrong now): the newest
+    clean = [Row(step=s, loss=2.0 - s / 100, learning_rate=1.0) for s in (5, 10, 15, 19)]
+    ok = [CheckpointFacts("c19", 19, [], weight_amax=3e4), *facts[1:]]
+    j = judge(own=ok[0], siblings=ok[1:], problems=[], h=History(source="tb", rows=clean),
+              scaler=None, rep=None, lr=1.0)  # fmt: skip
+    assert j.verdict.status == "healthy" and j.resume == "c19"

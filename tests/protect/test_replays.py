@@ -1,7 +1,12 @@
 """The protection's replays, driven by hand (ampctl.protect.replays): the rerun of a skipped step
-(transient or reproducible, retried with the rerun's gradients, RNG kept), the fp8 cast replay of
-a gradient overflow, and the fp8 demotion rules at the log read fed with a recorded cast history
--- exact events, weights, gradients and RNG state."""
+(transient or reproducible, retried with the rerun's gradients, RNG kept); the fp8 cast replay of
+a gradient overflow, the fp8 demotion rules at the log read fed with a recorded cast history
+(``after_log``) and ``demote_layer``, on tiny fp8 ``nn.Linear`` stacks with real torchao on the
+CPU (those tests skip without torchao); and the pieces the mutation run found open (issue #31):
+the cast replay through a stand-in plugin (no torchao needed) -- unused parameters, no figures, a
+short table, ranks -- a dist context without ``enabled``, and the rerun's message when no
+grad-norm threshold was in force. Exact events, weights, gradients and RNG state.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,16 @@ import pytest
 import torch
 from torch import nn
 
+from ampctl.amp import fp8
 from ampctl.amp import records as rec
 from ampctl.amp.precision import make_precision
+from ampctl.protect.figures import DeviceFigures
 from ampctl.protect.protection import Protection
 from ampctl.protect.settings import GuardConfig
+from tests.protect.loop import BATCH, Loop
 from tests.protect.recorded import Ranks, row, strip_time
-from tests.protect.test_protection_unit import BATCH, Loop
 
+# ====================================================================== the rerun of a skipped step
 INF, NAN = math.inf, math.nan
 
 
@@ -353,3 +361,316 @@ def test_a_module_already_in_fp32_that_still_computes_in_fp16_is_named():
         "message": "forward overflow in half_out, already fp32 (replayed on the weights of step 6)",
         "module": "half_out",
     }
+
+
+# ================================================= fp8: the cast replay and demotion (real torchao)
+# ------------------------------------------------------------------ fp8: demotion at the log read
+class InfGrad(torch.autograd.Function):
+    """Identity forward; an inf gradient backward (a planted gradient storm)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full_like(g, INF)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.ab = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.storm = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.storm:
+            h = InfGrad.apply(h)
+        return self.ab(h).float().pow(2).mean()
+
+
+X = {"x": torch.randn(4, 16, generator=torch.Generator().manual_seed(3))}
+
+
+def _fp8(**guard) -> Protection:
+    """A protection over the fp8 ``Stack``; the test skips where torchao is not installed."""
+    pytest.importorskip("torchao.float8")
+    model = Stack()
+    prec = make_precision("fp8", options={"exclude": []})
+    prec.prepare(model)
+    opt = torch.optim.AdamW(prec.optimizer_params(model), lr=1e-3)
+    return Protection(model, opt, prec, config=GuardConfig(**guard))
+
+
+def _log(prot: Protection, rows: dict[str, list[float]]) -> None:
+    """One log step whose cast figures read ``rows`` (layer -> figures), then ``after_log``."""
+    probe = prot.precision.probe
+    with probe.sampling(prot.model, True), prot.precision.autocast():
+        prot.forward(prot.model, X).backward()
+    fig = DeviceFigures(torch.device("cpu"))
+    probe.figures(fig)
+    values = fig.read()
+    names = list(probe._open.names)
+    values["fp8_rows"] = [x for n in names for x in rows.get(n, [1.0] + [0.0] * 8)]
+    probe.row(values)
+
+
+SAT = [1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]  # input saturation 50%
+UNDER = [1.0, 0.0, 0.0, 1.0, 0.0, 0.2, 1.0, 0.0, 0.0]  # weight underflow 20%
+
+
+def test_persistent_saturation_at_the_log_reads_demotes_the_layer():
+    prot = _fp8(fp8_patience=2)
+    _log(prot, {"a.1": SAT, "ab.0": UNDER})
+    prot.after_log(10)
+    assert prot.events == [] and set(prot.fp8_health.history) == {"a.0", "a.1", "ab.0", "ab.1"}
+    _log(prot, {"a.1": SAT, "ab.0": UNDER})
+    prot.after_log(20)
+    assert [strip_time(e) for e in prot.events] == [
+        {
+            "step": 20,
+            "kind": "demotion",
+            "message": "a.1: fp8 -> bf16 (saturation above 10.0% in 2 samples in a row (last "
+            "50.0%))",
+            "module": "a.1",
+            "reason": "saturation above 10.0% in 2 samples in a row (last 50.0%)",
+            "to_precision": "bf16",
+        },
+        {
+            "step": 20,
+            "kind": "demotion",
+            "message": "ab.0: fp8 -> bf16 (underflow above 1.0% in 2 samples in a row (last "
+            "20.0%))",
+            "module": "ab.0",
+            "reason": "underflow above 1.0% in 2 samples in a row (last 20.0%)",
+            "to_precision": "bf16",
+        },
+    ]
+    assert fp8.converted_layers(prot.model) == ["a.0", "ab.1"]
+    assert set(prot.fp8_health.history) == {"a.0", "ab.1"}  # the demoted are forgotten
+    assert prot.precision.demoted == {
+        "a.1": "saturation above 10.0% in 2 samples in a row (last 50.0%)",
+        "ab.0": "underflow above 1.0% in 2 samples in a row (last 20.0%)",
+    }
+    prot.after_log(30)  # no new sample: nothing to judge
+    assert len(prot.events) == 2
+
+
+@pytest.mark.parametrize("guard", [{"fp8_demote": False}, {"enabled": False}])
+def test_the_sample_is_taken_but_nothing_demoted_when_demotion_is_off(guard):
+    prot = _fp8(fp8_patience=1, **guard)
+    _log(prot, {"a.1": SAT})
+    prot.after_log(10)
+    assert prot.events == [] and prot.precision.probe.take_sample() is None
+    assert fp8.converted_layers(prot.model) == ["a.0", "a.1", "ab.0", "ab.1"]
+
+
+def test_a_probe_without_samples_is_passed_over():
+    prot = _fp8(fp8_patience=1)
+    _log(prot, {"ab.1": SAT})
+    probe = prot.precision.probe
+    prot.precision.probes = lambda: [object(), probe]  # e.g. a probe that keeps no sample
+    prot.after_log(5)
+    assert [e["module"] for e in prot.events] == ["ab.1"]
+
+
+def test_demote_layer_records_only_a_real_demotion():
+    prot = _fp8()
+    prot.fp8_health.observe(["a.0"], [[1.0] + [0.0] * 8])
+    assert prot.demote_layer(7, "a.0", "why") is True
+    assert "a.0" not in prot.fp8_health.history
+    assert prot.demote_layer(8, "a.0", "again") is False
+    assert prot.demote_layer(8, "nothing", "x") is False
+    assert [(e["step"], e["message"]) for e in prot.events] == [(7, "a.0: fp8 -> bf16 (why)")]
+
+
+# ------------------------------------------------------------------ fp8: the cast replay
+def test_a_gradient_storm_is_replayed_and_the_first_layer_it_reached_demoted():
+    prot = _fp8()
+    prot.model.storm = True
+    grads = [p.grad for p in prot.model.parameters()]
+    rng = torch.get_rng_state()
+    prot._replay_casts(4, [X], None)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [p.grad for p in prot.model.parameters()] == grads  # the replay's are discarded
+    assert [strip_time(e) for e in prot.events] == [
+        {
+            "step": 4,
+            "kind": "demotion",
+            "message": "a.1: fp8 -> bf16 (non-finite output gradient (amax inf) on the replay of "
+            "the skipped step)",
+            "module": "a.1",
+            "reason": "non-finite output gradient (amax inf) on the replay of the skipped step",
+            "to_precision": "bf16",
+        }
+    ]
+    prot._replay_casts(6, [X, X], 3)  # decided late: replayed on the later weights
+    assert prot.events[-1]["reason"] == (  # through a.1, now bf16, the storm is NaN
+        "non-finite output gradient (amax nan) on the replay of the skipped step (replayed on the "
+        "weights of step 9)"
+    )
+    assert prot.events[-1]["module"] == "a.0"
+
+
+def test_a_non_finite_weight_is_replayed_and_its_layer_demoted():
+    prot = _fp8()
+    with torch.no_grad():
+        prot.model.ab[0].weight[0, 0] = INF
+    prot._replay_casts(2, [X], None)
+    assert [e["module"] for e in prot.events] == ["ab.0"]
+    assert prot.events[0]["reason"] == (
+        "non-finite weight (amax inf) on the replay of the skipped step"
+    )
+
+
+def test_a_clean_replay_demotes_nothing():
+    prot = _fp8()
+    prot._replay_casts(2, [X], None)
+    assert prot.events == [] and fp8.converted_layers(prot.model) == ["a.0", "a.1", "ab.0", "ab.1"]
+
+
+@pytest.mark.parametrize("guard", [{"fp8_demote": False}, {"enabled": False}])
+def test_no_replay_when_demotion_is_off(guard):
+    prot = _fp8(**guard)
+    prot.model.storm = True
+    calls = []
+    prot.forward = lambda m, b: calls.append(1) or m(**b)
+    prot._replay_casts(2, [X], None)
+    assert prot.events == [] and calls == []
+
+
+def test_ranks_demote_the_union_of_what_each_found_first_rank_first():
+    prot = _fp8()
+    prot.model.storm = True
+    prot.dist = Ranks([{"ab.0": "theirs", "a.1": "their reason"}, None])
+    prot._replay_casts(3, [X], None)
+    assert [(e["module"], e["reason"]) for e in prot.events] == [
+        ("ab.0", "theirs on the replay of the skipped step"),
+        ("a.1", "their reason on the replay of the skipped step"),
+    ]
+    off = _fp8()
+    off.dist = Ranks([{"ab.0": "theirs"}])
+    off.dist.enabled = False
+    off._replay_casts(3, [X], None)
+    assert off.events == []
+
+
+def test_a_gradient_overflow_of_an_fp8_run_is_replayed_at_its_step():
+    prot = _fp8()
+    prot.start()
+    prot.model.storm = True
+    with prot.precision.autocast():
+        loss = prot.forward(prot.model, X)
+    prot.precision.backward(loss)
+    prot.precision.unscale_(prot.optimizer)
+    assert prot.precision.optimizer_step(prot.optimizer) is True
+    prot.after_step(1, skipped=True, batches=[X])
+    assert [e["kind"] for e in prot.events] == ["overflow", "demotion"]
+    assert prot.events[1]["module"] == "a.1"
+
+
+def test_a_forward_overflow_in_an_fp8_layer_demotes_it_before_promoting_it():
+    prot = _fp8()
+    with torch.no_grad():
+        prot.model.ab[0].weight[0, 0] = INF
+    prot._locate_and_promote(2, [X], None)
+    assert [(e["kind"], e["step"], e["module"]) for e in prot.events] == [
+        ("demotion", 2, "ab.0"),
+        ("promotion", 2, "ab.0"),
+    ]
+    assert prot.events[0]["reason"] == "inside 'ab.0', promoted to fp32"
+    assert prot.events[1]["message"] == (
+        "forward overflow first appears in ab.0 (non-finite, bfloat16): now runs in fp32"
+    )
+    assert prot.precision.in_fp32 == ["ab.0"] and prot.promoted_at == {"ab.0": 2}
+    assert fp8.converted_layers(prot.model) == ["a.0", "a.1", "ab.1"]
+
+
+# =============================================== the pieces the mutation run found open (issue #31)
+OK = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]  # one layer's cast figures, all finite
+BAD_INPUT = [INF, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]  # its input cast went non-finite
+
+
+class NoFlag:
+    """A dist context of an older shape: no ``enabled``, nothing to gather with."""
+
+
+def _planted(rows: list[list[float]] | None, names=("amp.lin", "head"), **protection):
+    """A bf16 loop whose plugin claims fp8 layers ``names``; its cast replay runs the step and
+    returns ``rows`` (None: no figures). Returns the loop and the list of demotions made."""
+    loop = Loop("bf16", protection=protection or None)
+    prec = loop.prot.precision
+    demoted: list[tuple[str, str]] = []
+    ran: list[int] = []
+
+    def replay_casts(model, run):
+        run()
+        ran.append(1)
+        return None if rows is None else (list(names), torch.tensor(rows, dtype=torch.float64))
+
+    prec.demotable = lambda model, under="": list(names)
+    prec.replay_casts = replay_casts
+    prec.demote = lambda model, name, reason: demoted.append((name, reason)) or True
+    return loop, demoted, ran
+
+
+def test_the_cast_replay_runs_over_a_model_with_an_unused_parameter():
+    loop, demoted, ran = _planted([BAD_INPUT, OK])
+    loop.model.spare = nn.Parameter(torch.ones(1))  # never used by the forward
+    loop.prot._replay_casts(3, [BATCH], None)
+    assert ran == [1]
+    assert demoted == [("amp.lin", "non-finite input (amax inf) on the replay of the skipped step")]
+    assert [(e["kind"], e["module"]) for e in loop.prot.events] == [("demotion", "amp.lin")]
+    assert loop.model.spare.grad is None  # the replay's gradients are discarded
+
+
+def test_a_cast_replay_without_figures_demotes_nothing():
+    loop, demoted, ran = _planted(None)
+    loop.prot._replay_casts(3, [BATCH], 2)
+    assert ran == [1] and demoted == [] and loop.prot.events == []
+
+
+def test_a_cast_table_shorter_than_its_names_is_refused():
+    loop, demoted, _ = _planted([BAD_INPUT], names=("amp.lin", "head"))
+    with pytest.raises(ValueError):
+        loop.prot._replay_casts(3, [BATCH], None)
+    assert demoted == []
+
+
+def test_a_dist_context_without_enabled_is_a_single_process_for_the_cast_replay():
+    loop, demoted, _ = _planted([OK, BAD_INPUT], dist=NoFlag())
+    loop.prot._replay_casts(3, [BATCH], 1)
+    assert demoted == [
+        ("head", "non-finite input (amax inf) on the replay of the skipped step (replayed on "
+         "the weights of step 4)")
+    ]  # fmt: skip
+
+
+def test_ranks_demote_what_this_rank_found_too():
+    loop, demoted, _ = _planted([BAD_INPUT, OK], dist=Ranks([None, {"head": "theirs"}]))
+    loop.prot._replay_casts(3, [BATCH], None)
+    assert demoted == [
+        ("head", "theirs on the replay of the skipped step"),
+        ("amp.lin", "non-finite input (amax inf) on the replay of the skipped step"),
+    ]
+
+
+# ------------------------------------------------------------------ rerun
+def test_a_dist_context_without_enabled_is_a_single_process_for_the_rerun():
+    loop = Loop(rerun=True, protection={"dist": NoFlag()})
+    loop.step(plant=("head.weight",))
+    ev = loop.prot.events[0]
+    assert ev["kind"] == "rerun" and ev["verdict"] == "transient" and ev["rank"] is None
+    assert ev["message"].startswith("rerun of step 1 (overflow): clean (loss ")
+
+
+def test_the_rerun_says_nothing_of_the_grad_norm_without_a_threshold():
+    loop = Loop(rerun=True)
+    loop.step()
+    record = row(skipped=True, loss=5.0, loss_thr=1e6, gnorm=3.0, gnorm_thr=INF)
+    assert loop.prot._rerun(2, [BATCH], record, rec.SPIKE) == "transient"
+    msg = loop.prot.events[-1]["message"]
+    assert msg.endswith("a transient fault, the step was retried") and "grad norm" not in msg
