@@ -82,6 +82,19 @@ def _threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _same_working_directory():
+    """A test that changes the working directory and leaves it changed fails (the directory is
+    put back): under pytest-xdist the next test of the worker, and every trial or run it starts
+    with ``python -m ampctl``, would run from there (`tests` not importable)."""
+    here = os.getcwd()
+    yield
+    now = os.getcwd()
+    if now != here:
+        os.chdir(here)
+        pytest.fail(f"the test left the working directory at {now} (use monkeypatch.chdir)")
+
+
 @pytest.fixture
 def fast_cfg(tmp_path):
     def make(*extra: str):

@@ -31,24 +31,21 @@ def _check(saved, overrides=(), *, run, cwd):
     check_saved_paths(saved, list(overrides), run_root=run, source="checkpoint c.pt", cwd=cwd)
 
 
-def test_paths_inside_the_run_or_the_working_directory_pass(tmp_path):
+def test_paths_inside_the_run_or_the_working_directory_pass(tmp_path, monkeypatch):
     run, cwd = tmp_path / "runs" / "r", tmp_path / "work"
     run.mkdir(parents=True)
     cwd.mkdir()
-    os.chdir(cwd)  # relative paths are used relative to it
-    try:
-        for saved in (
-            {"data": {"path": "corpus.txt", "tokenizer": str(run / "tok"), "cache_dir": None}},
-            {"data": {"path": "sub/*.txt"}},
-            {"trainer": {"runs_dir": str(run.parent)}},  # the folder the run itself is in
-            {"logging": {"mlflow": True, "mlflow_uri": f"sqlite:///{run}/mlflow.db"}},
-            {"logging": {"mlflow": True, "mlflow_uri": f"file://{cwd}/mlruns"}},
-            {"logging": {"mlflow": False, "mlflow_uri": "http://evil.example"}},  # MLflow off
-            {"logging": {"wandb": True, "wandb_mode": "offline"}},
-        ):
-            _check(saved, run=run, cwd=cwd)
-    finally:
-        os.chdir(tmp_path)
+    monkeypatch.chdir(cwd)  # relative paths are used relative to it
+    for saved in (
+        {"data": {"path": "corpus.txt", "tokenizer": str(run / "tok"), "cache_dir": None}},
+        {"data": {"path": "sub/*.txt"}},
+        {"trainer": {"runs_dir": str(run.parent)}},  # the folder the run itself is in
+        {"logging": {"mlflow": True, "mlflow_uri": f"sqlite:///{run}/mlflow.db"}},
+        {"logging": {"mlflow": True, "mlflow_uri": f"file://{cwd}/mlruns"}},
+        {"logging": {"mlflow": False, "mlflow_uri": "http://evil.example"}},  # MLflow off
+        {"logging": {"wandb": True, "wandb_mode": "offline"}},
+    ):
+        _check(saved, run=run, cwd=cwd)
 
 
 @pytest.mark.parametrize(
