@@ -6,8 +6,8 @@ bytes, and a callable that reads that one tensor from its file) and hands them o
 that takes one, uses it and drops it holds one tensor at a time (the state health does, see
 :mod:`..health`); the replay, which needs the whole model, asks for all of them.
 
-Tensors that ``torch.load(..., mmap=True)`` returns are lazy already (their bytes stay in the
-file until touched): they are wrapped as sources as they are.
+Tensors that ``torch.load(..., weights_only=True, mmap=True)`` returns are lazy already (their
+bytes stay in the file until touched): they are wrapped as sources as they are.
 """
 
 from __future__ import annotations
