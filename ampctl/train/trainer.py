@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import shlex
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -652,7 +653,7 @@ class Trainer(Shelled):
         if status in ("diverged", "aborted"):
             summary.update(self._trouble_hint(status))
         elif status in ("interrupted", "failed"):
-            summary["resume_hint"] = f"ampctl train --resume {self.run_dir}"
+            summary["resume_hint"] = shlex.join(["ampctl", "train", "--resume", str(self.run_dir)])
         return summary
 
     def _trouble_since(self, status: str) -> int:
@@ -713,9 +714,9 @@ class Trainer(Shelled):
         change = [f"optim.lr={fmt_lr(adv.lr)}"] if known else []
         if adv is not None:
             out["lr_advice"] = adv.why
-        diagnose = f"ampctl diagnose {self.run_dir}"
+        diagnose = shlex.join(["ampctl", "diagnose", str(self.run_dir)])
         if good and change:
-            out["resume_hint"] = " ".join(["ampctl train --resume", str(good[-1]), *change])
+            out["resume_hint"] = shlex.join(["ampctl", "train", "--resume", str(good[-1]), *change])
         elif good:
             out["resume_hint"] = diagnose
             out["resume_note"] = (
@@ -729,7 +730,7 @@ class Trainer(Shelled):
                 for o in self.hint_overrides
                 if not o.lstrip("+~").startswith(("optim.lr=", "name="))
             ]
-            out["resume_hint"] = " ".join(["ampctl train", *keep, *change])
+            out["resume_hint"] = shlex.join(["ampctl", "train", *keep, *change])
             out["resume_note"] = (
                 f"no checkpoint was written before the trouble (step {since + 1}): start afresh"
             )

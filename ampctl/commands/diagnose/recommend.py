@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -551,7 +552,8 @@ def resume_command(
     before: int | None = None,
     fresh: list[str] | None = None,
 ) -> str:
-    """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line).
+    """How to continue from ``checkpoint`` in the user's own tool (ampctl: a command line, each
+    word quoted for a POSIX shell: a list value such as ``[*ln_*]`` is a glob to bash and zsh).
     ``before``: the first sign of trouble, when no checkpoint was written before it."""
     none = (
         f"no checkpoint was written before the first sign of trouble (step {before})"
@@ -565,8 +567,8 @@ def resume_command(
             keys = {c.split("=", 1)[0] for c in changes}
             # the run's own config (fresh), its keys that a change sets left to the change
             base = [o for o in fresh or [] if o.lstrip("+~").split("=", 1)[0] not in keys]
-            return " ".join(["ampctl train", *base, *changes]) + f"   # {short}: start afresh"
-        return " ".join(["ampctl train --resume", checkpoint, *resume_overrides(recs)])
+            return shlex.join(["ampctl", "train", *base, *changes]) + f"   # {short}: start afresh"
+        return shlex.join(["ampctl", "train", "--resume", checkpoint, *resume_overrides(recs)])
     if checkpoint is None:
         return f"{none}: start afresh with the changes above"
     return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from .common import MAX_LISTED, as_number, fmt, pow2
@@ -413,7 +414,7 @@ def _verdict(report: Report, console: Any) -> None:
         )
         _say(console, f"4. Recommendations (paste into {where}):", "bold")
         for rec in recs:
-            _say(console, f"  {rec.override}   # {rec.reason}", "cyan")
+            _say(console, f"  {shlex.quote(rec.override)}   # {rec.reason}", "cyan")
             if rec.yours:
                 _say(console, f"    yours: {rec.yours}")
     elif problems:

@@ -281,7 +281,8 @@ def test_fp16_activation_overflow_names_the_module_and_fp32_cures_it(run_copy):
     (rec,) = rep["recommendations"]
     assert rec["override"] == "precision.fp32_modules=[amp]"
     assert (
-        rep["resume"]["command"] == f"ampctl train --resume {planted} precision.fp32_modules=[amp]"
+        rep["resume"]["command"]
+        == f"ampctl train --resume {planted} 'precision.fp32_modules=[amp]'"
     )
     # the line parses as an override, and with it applied the same checkpoint replays cleanly
     assert load_config([rec["override"]]).precision.fp32_modules == ["amp"]
@@ -311,6 +312,36 @@ def test_fp16_activation_overflow_names_the_module_and_fp32_cures_it(run_copy):
         "precision.fp32_modules=[amp]",
         "precision=bf16",
     ]
+
+
+@pytest.mark.parametrize("afresh", [False, True])
+def test_the_resume_line_pasted_into_a_shell_gives_ampctl_the_words_it_printed(tmp_path, afresh):
+    """A list value is a glob to bash and zsh (zsh stops at one that matches nothing): the Resume
+    line quotes every word, so a shell that fails on unmatched globs, in a folder holding a file
+    the unquoted glob would match, hands ampctl exactly the overrides diagnose meant."""
+    import shlex
+    import subprocess
+
+    from ampctl.commands.diagnose.recommend import resume_command
+    from ampctl.commands.diagnose.stages import Recommendation
+
+    overrides = ["precision.fp32_modules=[*ln_*]", "optim.betas=[0.9,0.95]", "optim.lr=0.01"]
+    recs = [Recommendation(o, "why") for o in overrides]
+    ckpt = str(tmp_path / "my runs" / "step_00000004.pt")
+    (tmp_path / "precision.fp32_modules=l").touch()  # what [*ln_*] matches unquoted
+    fresh = ["model=gpt2_tiny", "~data.path"]
+    line = resume_command("ampctl", None if afresh else ckpt, recs, fresh=fresh)
+    assert line.startswith("ampctl train")
+    words = subprocess.run(
+        ["bash", "-O", "failglob", "-c", "printf '%s\\n' " + line.removeprefix("ampctl train ")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    want = [*fresh, *overrides] if afresh else ["--resume", ckpt, *overrides]
+    assert words == want
+    assert shlex.split(line.split("   #", 1)[0])[2:] == want
 
 
 def test_too_small_scale_shows_underflow_and_recommends_init_scale(run_copy):

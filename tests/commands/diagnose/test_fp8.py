@@ -96,7 +96,7 @@ def test_a_planted_large_weight_is_named_first_with_the_exclusion(fp8_run, tmp_p
     assert p["layers"] == [PLANTED] and "weight amax 2000 is above e4m3's max 448" in p["message"]
     override = f"precision.fp8_exclude=[{','.join([*EXCLUDE, PLANTED])}]"
     assert [r["override"] for r in rep["recommendations"]] == [override]
-    assert rep["resume"]["command"].endswith(override)  # takes effect on --resume
+    assert rep["resume"]["command"].endswith(f"'{override}'")  # on --resume, quoted for a shell
     # the override parses as the plugin's exclusion list
     assert load_config(["precision=fp8", override]).precision.fp8_exclude == [*EXCLUDE, PLANTED]
 
