@@ -276,6 +276,22 @@ def _underflow_scale(ax_uf, values: list[float]) -> None:
     ax_uf.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y * 100:.3g}%"))
 
 
+def _fitting_legend(fig: Figure, handles: list, labels: list[str], most: int = 4) -> None:
+    """The figure's legend below the panels in the most columns (up to ``most``) whose width
+    fits the figure, measured with the figure's renderer: long labels (the underflow figures
+    say what they count; many baselines carry their runs' names) would otherwise run off both
+    sides of it."""
+    width = fig.bbox.width
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(min(most, max(len(labels), 1)), 0, -1):
+        legend = fig.legend(
+            handles, labels, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False
+        )
+        if ncol == 1 or legend.get_window_extent(renderer).width <= width:
+            return
+        legend.remove()
+
+
 def _as_list(baseline: str | Path | Sequence[str | Path] | None) -> list[Path]:
     if baseline is None:
         return []
@@ -323,7 +339,7 @@ def build_run_figure(
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    _fitting_legend(fig, handles, labels)
     fig.suptitle(_title(data), fontsize=10)
     fig.ampctl_notes = list(data.notes)  # what could not be read or is drawn grouped
     src = {
