@@ -209,18 +209,15 @@ def test_activation_gradient_underflow_is_drawn_next_to_the_parameter_figure(tmp
 def test_the_legend_fits_the_figure_with_long_labels_and_many_baselines(tmp_path):
     """The underflow labels say what they count and baselines carry their run names: the legend
     takes fewer columns rather than run off both sides of the figure (it did at 4 columns)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     rows = [row(4, 5.0, act_grad_underflow_frac=0.9), row(8, 4.0, act_grad_underflow_frac=0.5)]
     d = write_run(tmp_path / "fp16-ampctl", rows)
     bases = [write_run(tmp_path / n, rows) for n in ("fp32", "fp16-unscaled", "bf16", "fp16-2e24")]
     for baseline in (bases, bases[:1]):
         fig = build_run_figure(d, baseline=baseline)
-        canvas = FigureCanvasAgg(fig)
-        canvas.draw()
+        fig.canvas.draw()  # the figure comes on its own Agg canvas
         (legend,) = fig.legends
-        box = legend.get_window_extent(canvas.get_renderer())
-        assert 0 <= box.x0 and box.x1 <= fig.bbox.width, (box, legend._ncols)
+        box = legend.get_window_extent(fig.canvas.get_renderer())
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width, box
         texts = [t.get_text() for t in legend.get_texts()]
         assert "activation-grad underflow (share of fp16 elements 0 or subnormal)" in texts
 
